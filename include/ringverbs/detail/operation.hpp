@@ -1,0 +1,30 @@
+// The operation state shared by every awaitable: what the io_context calls back when the
+// kernel delivers a CQE, and what another thread pushes to hand work to the owning thread.
+#pragma once
+
+#include <cstdint>
+
+namespace ringverbs::detail {
+
+// One in-flight io_uring request. Its address is the SQE's user_data; the object lives (in
+// the awaiting coroutine's frame, or in an object the io_context owns) until the kernel has
+// delivered the last CQE it owes: the one without IORING_CQE_F_MORE. The call goes through a
+// function pointer, not a virtual function, so that an operation state is a plain aggregate
+// that the compiler can lay out inside the awaiter.
+struct operation {
+    void (*on_cqe)(operation* self, int res, unsigned flags) noexcept = nullptr;
+};
+
+// user_data of requests whose CQE nobody waits for (cancel requests, linked timeouts): the
+// io_context drops their CQEs. Nothing of ours is written by the kernel for them.
+inline constexpr std::uint64_t ignored_user_data = 0;
+
+// A unit of work handed to the io_context's thread from any thread (cross-thread post, a
+// std::stop_token fired elsewhere). Intrusive: the node lives in its owner, so pushing never
+// allocates. `run` is called on the io_context's thread.
+struct remote_node {
+    remote_node* next = nullptr;
+    void (*run)(remote_node* self) noexcept = nullptr;
+};
+
+} // namespace ringverbs::detail

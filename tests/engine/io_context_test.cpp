@@ -1,0 +1,182 @@
+#include "fd.hpp"
+
+#include <ringverbs/file_io.hpp>
+#include <ringverbs/io_context.hpp>
+#include <ringverbs/poll.hpp>
+#include <ringverbs/timer.hpp>
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+using ringverbs::io_context;
+using ringverbs::task;
+
+TEST_CASE("io_context reports what the kernel granted") {
+    io_context ctx;
+    // On Linux >= 6.1 the preferred flags are granted; older kernels fall back.
+    MESSAGE("setup flags: " << ctx.setup_flags());
+    CHECK((ctx.setup_flags() & IORING_SETUP_CQSIZE) != 0);
+    io_context plain(ringverbs::io_context_options{.single_issuer = false});
+    CHECK((plain.setup_flags() & IORING_SETUP_SINGLE_ISSUER) == 0);
+}
+
+TEST_CASE("run() returns when there is no work left") {
+    io_context ctx;
+    ctx.run(); // nothing at all
+    int done = 0;
+    auto work = [&]() -> task<void> {
+        co_await ringverbs::sleep_for(ctx, 1ms);
+        ++done;
+    };
+    ctx.spawn(work());
+    ctx.spawn(work());
+    ctx.run();
+    CHECK(done == 2);
+}
+
+TEST_CASE("spawn runs detached work and an escaping exception is rethrown from run()") {
+    io_context ctx;
+    bool after = false;
+    auto bad = [&]() -> task<void> {
+        co_await ringverbs::sleep_for(ctx, 1ms);
+        throw std::runtime_error("spawned failure");
+    };
+    auto good = [&]() -> task<void> {
+        co_await ringverbs::sleep_for(ctx, 5ms);
+        after = true;
+    };
+    ctx.spawn(bad());
+    ctx.spawn(good());
+    CHECK_THROWS_WITH_AS(ctx.run(), "spawned failure", std::runtime_error);
+    ctx.run(); // the rest of the work goes on
+    CHECK(after);
+}
+
+TEST_CASE("a custom exception handler receives exceptions of spawned tasks") {
+    io_context ctx;
+    int seen = 0;
+    ctx.set_exception_handler([&](std::exception_ptr e) {
+        CHECK_THROWS_AS(std::rethrow_exception(e), std::logic_error);
+        ++seen;
+    });
+    auto bad = []() -> task<void> {
+        throw std::logic_error("x");
+        co_return;
+    };
+    ctx.spawn(bad());
+    ctx.spawn(bad());
+    ctx.run();
+    CHECK(seen == 2);
+}
+
+TEST_CASE("post() runs a function on the context's thread, from another thread") {
+    io_context ctx;
+    std::atomic<int> ran{0};
+    std::thread::id loop_thread;
+    io_context::work_guard guard(ctx);
+    std::thread producer([&] {
+        for (int i = 0; i < 1000; ++i)
+            ctx.post([&] {
+                loop_thread = std::this_thread::get_id();
+                ran.fetch_add(1);
+            });
+        ctx.post([&] { guard.reset(); });
+    });
+    ctx.run();
+    producer.join();
+    CHECK(ran.load() == 1000);
+    CHECK(loop_thread == std::this_thread::get_id());
+}
+
+TEST_CASE("co_await schedule() moves a coroutine onto the context's thread") {
+    io_context a;
+    io_context b;
+    std::thread::id b_thread;
+    std::thread::id resumed_on;
+    io_context::work_guard guard(b);
+    std::thread t([&] {
+        b_thread = std::this_thread::get_id();
+        b.run();
+    });
+    auto hop = [&]() -> task<void> {
+        co_await b.schedule();
+        resumed_on = std::this_thread::get_id();
+        co_await a.schedule(); // back home
+        b.post([&] { guard.reset(); });
+    };
+    a.run(hop());
+    t.join();
+    CHECK(resumed_on == b_thread);
+    CHECK(resumed_on != std::this_thread::get_id());
+}
+
+TEST_CASE("stop() from another thread ends run()") {
+    io_context ctx;
+    io_context::work_guard guard(ctx);
+    std::thread t([&] {
+        std::this_thread::sleep_for(20ms);
+        ctx.stop();
+    });
+    ctx.run();
+    t.join();
+    CHECK(ctx.stopped());
+    ctx.restart();
+    CHECK_FALSE(ctx.stopped());
+}
+
+TEST_CASE("destroying an io_context cancels and reaps operations in flight") {
+    test::pipe_pair p;
+    std::vector<std::byte> buffer(64, std::byte{0x5a});
+    std::error_code seen;
+    bool resumed = false;
+    {
+        io_context ctx;
+        auto reader = [&]() -> task<void> {
+            try {
+                co_await ringverbs::read(ctx, p.rd.get(), buffer);
+            } catch (const std::system_error& e) {
+                seen = e.code();
+            }
+            resumed = true;
+        };
+        ctx.spawn(reader());
+        ctx.run_once(false); // starts the read
+        REQUIRE(ctx.operations_in_flight() == 1);
+    }
+    CHECK(resumed);
+    CHECK(seen == std::errc::operation_canceled);
+    // The kernel is done with the buffer: data written now is not read into it.
+    char c = 'x';
+    REQUIRE(::write(p.wr.get(), &c, 1) == 1);
+    CHECK(buffer[0] == std::byte{0x5a});
+}
+
+TEST_CASE("destroying an io_context destroys spawned tasks that can never resume") {
+    static int destroyed = 0;
+    struct sentinel {
+        ~sentinel() { ++destroyed; }
+    };
+    {
+        io_context ctx;
+        auto stuck = []() -> task<void> {
+            sentinel s;
+            struct forever {
+                bool await_ready() { return false; }
+                void await_suspend(std::coroutine_handle<>) {}
+                void await_resume() {}
+            };
+            co_await forever{};
+        };
+        ctx.spawn(stuck());
+        ctx.run();
+        CHECK(destroyed == 0);
+    }
+    CHECK(destroyed == 1);
+}
