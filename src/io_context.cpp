@@ -76,6 +76,7 @@ io_context::io_context(io_context_options options) {
     ready_.reserve(64);
     resuming_.reserve(64);
     wakeup_.ctx = this;
+
     wakeup_.on_cqe = [](detail::operation* op, int, unsigned) noexcept {
         auto* w = static_cast<wakeup_op*>(op);
         w->armed = false;
@@ -84,10 +85,12 @@ io_context::io_context(io_context_options options) {
     arm_wakeup();
 }
 
-// Cross-thread wakeup: an eventfd with a read pending on the ring, so one write from another
-// thread completes the read and wakes the ring, and the read itself resets the counter (no
-// extra syscall on our side). IORING_OP_MSG_RING would need a ring on the sending thread;
-// tests/bench/post_bench.cpp measures both (see the closing numbers in its output).
+// Cross-thread wakeup: an eventfd on which the ring keeps a read pending, so one write from
+// another thread completes the read and wakes the ring, and the read itself resets the
+// counter (no extra syscall on our side). The alternative, IORING_OP_MSG_RING from the
+// sender's ring, needs a ring on the sending thread; tests/bench/post_bench.cpp measures both
+// side by side: on kernel 6.18 with 2 cores, eventfd 2.6-3.2 us per round trip, msg_ring
+// 2.8-3.3 us, so the eventfd, which also serves threads without a ring, is kept.
 void io_context::arm_wakeup() {
     io_uring_sqe* sqe = get_sqe();
     io_uring_prep_read(sqe, wake_fd_, &wakeup_.value, sizeof wakeup_.value, 0);

@@ -195,6 +195,7 @@ private:
         bool armed = false;
     } wakeup_;
 
+
     detail::spawned_promise* spawned_ = nullptr; // intrusive list of live spawned tasks
     std::vector<std::exception_ptr> reported_;
     std::function<void(std::exception_ptr)> exception_handler_;

@@ -8,6 +8,8 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <barrier>
+#include <optional>
 #include <chrono>
 #include <stdexcept>
 #include <system_error>
@@ -97,22 +99,33 @@ TEST_CASE("post() runs a function on the context's thread, from another thread")
 
 TEST_CASE("co_await schedule() moves a coroutine onto the context's thread") {
     io_context a;
-    io_context b;
+    io_context* b = nullptr;
+    std::optional<io_context::work_guard> guard;
     std::thread::id b_thread;
     std::thread::id resumed_on;
-    io_context::work_guard guard(b);
+    std::barrier ready(2);
     std::thread t([&] {
+        io_context own; // built, run and destroyed on its own thread
+        guard.emplace(own);
+        b = &own;
         b_thread = std::this_thread::get_id();
-        b.run();
+        ready.arrive_and_wait();
+        own.run();
     });
+    ready.arrive_and_wait();
+    int hops = 0;
     auto hop = [&]() -> task<void> {
-        co_await b.schedule();
-        resumed_on = std::this_thread::get_id();
-        co_await a.schedule(); // back home
-        b.post([&] { guard.reset(); });
+        for (int i = 0; i < 100; ++i) {
+            co_await b->schedule();
+            if (std::this_thread::get_id() == b_thread) ++hops;
+            resumed_on = std::this_thread::get_id();
+            co_await a.schedule(); // back home
+        }
+        b->post([&] { guard.reset(); });
     };
     a.run(hop());
     t.join();
+    CHECK(hops == 100);
     CHECK(resumed_on == b_thread);
     CHECK(resumed_on != std::this_thread::get_id());
 }
