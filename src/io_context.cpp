@@ -110,7 +110,7 @@ io_context::~io_context() {
     io_context* outer = std::exchange(running_context, this);
     for (;;) {
         drain_remote();
-        if (ready_.empty() && in_flight_ == 0 && !wakeup_.armed &&
+        if (ready_.empty() && in_flight_ == 0 && background_ == 0 && !wakeup_.armed &&
             remote_head_.load(std::memory_order_acquire) == nullptr)
             break;
         try {
@@ -275,8 +275,42 @@ std::size_t io_context::resume_ready() {
     return n;
 }
 
+void io_context::queue_poller(detail::poller* p) noexcept {
+    if (p->queued) return;
+    p->queued = true;
+    detail::poller** at = &pollers_;
+    while (*at && (*at)->priority >= p->priority) at = &(*at)->next;
+    p->next = *at;
+    *at = p;
+}
+
+void io_context::dequeue_poller(detail::poller* p) noexcept {
+    if (!p->queued) return;
+    for (detail::poller** at = &pollers_; *at; at = &(*at)->next) {
+        if (*at == p) {
+            *at = p->next;
+            break;
+        }
+    }
+    p->queued = false;
+    p->next = nullptr;
+}
+
+void io_context::run_pollers() {
+    // Take this turn's list: pollers queued while it runs go to the next turn.
+    detail::poller* list = std::exchange(pollers_, nullptr);
+    while (list) {
+        detail::poller* p = list;
+        list = p->next;
+        p->next = nullptr;
+        p->queued = false;
+        p->run(p);
+    }
+}
+
 bool io_context::out_of_work() const noexcept {
-    return in_flight_ == 0 && external_work_.load(std::memory_order_acquire) == 0;
+    return in_flight_ == 0 && waiting_ == 0 &&
+           external_work_.load(std::memory_order_acquire) == 0;
 }
 
 std::size_t io_context::run_once(bool block) {
@@ -287,10 +321,11 @@ std::size_t io_context::run_once(bool block) {
     } restore_on_exit{outer};
 
     drain_remote();
-    bool wait = block && ready_.empty() && !stopped() &&
+    bool wait = block && ready_.empty() && pollers_ == nullptr && !stopped() &&
                 remote_head_.load(std::memory_order_relaxed) == nullptr;
     submit_and_reap(wait);
     drain_remote();
+    run_pollers();
     std::size_t n = resume_ready();
     rethrow_reported();
     return n;

@@ -34,7 +34,7 @@ void poll_stream::arm(state* s) {
     io_uring_prep_poll_multishot(sqe, s->fd, s->events);
     io_uring_sqe_set_data(sqe, static_cast<detail::operation*>(s));
     s->in_flight = true;
-    s->ctx->start_operation();
+    s->ctx->start_background();
 }
 
 void poll_stream::detach(void* source, detail::waiter* w) noexcept {
@@ -46,7 +46,7 @@ void poll_stream::on_cqe(detail::operation* op, int res, unsigned flags) noexcep
     const bool final_cqe = !(flags & IORING_CQE_F_MORE);
     if (final_cqe) {
         s->in_flight = false;
-        s->ctx->finish_operation();
+        s->ctx->finish_background();
     }
     if (s->orphaned) {
         if (final_cqe) delete s;

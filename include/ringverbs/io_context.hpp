@@ -81,8 +81,9 @@ public:
     io_context(const io_context&) = delete;
     io_context& operator=(const io_context&) = delete;
 
-    // Runs until stop() is called or there is no work left (no operation in flight, no
-    // coroutine ready, no work_guard held). Rethrows an exception that escaped a spawned task
+    // Runs until stop() is called or there is no work left: no operation in flight, no
+    // coroutine ready or waiting (on a poll_stream, a CQ, a work request), no work_guard held.
+    // An idle poll_stream or completion channel is not work. Rethrows an exception that escaped a spawned task
     // (unless an exception handler is set); run() may then be called again.
     void run();
 
@@ -136,8 +137,10 @@ public:
     // The IORING_SETUP_* flags the kernel granted.
     unsigned setup_flags() const noexcept { return setup_flags_; }
 
-    // Operations in flight in the kernel (for tests and diagnostics).
-    std::size_t operations_in_flight() const noexcept { return in_flight_; }
+    // Operations in flight in the kernel, background ones (poll streams, channels) included;
+    // and coroutines waiting on a background source (for tests and diagnostics).
+    std::size_t operations_in_flight() const noexcept { return in_flight_ + background_; }
+    std::size_t waiters() const noexcept { return waiting_; }
 
     // --- For awaitable implementers -------------------------------------------------------
     // Everything below is called on the context's thread only (push_remote excepted).
@@ -148,14 +151,27 @@ public:
     // io_uring_submit.
     io_uring_sqe* get_sqe(unsigned reserve = 1);
     // Counts one more operation that owes a final CQE; finish_operation() when it arrives.
+    // Operations are work: run() does not return while one is in flight.
     void start_operation() noexcept { ++in_flight_; }
     void finish_operation() noexcept { --in_flight_; }
+    // A long-lived request that is not work by itself (the multishot poll of a poll_stream or
+    // a completion channel): run() may return while it is armed, but the destructor still
+    // reaps its last CQE. The coroutines waiting on it are work: add_waiter() / remove_waiter().
+    void start_background() noexcept { ++background_; }
+    void finish_background() noexcept { --background_; }
+    void add_waiter() noexcept { ++waiting_; }
+    void remove_waiter() noexcept { --waiting_; }
     // Queues a coroutine to be resumed after the current CQE batch. Never resumes inline.
     void ready(std::coroutine_handle<> h) { ready_.push_back(h); }
     // Asks the kernel to cancel the request whose user_data is `op` (its CQE still arrives).
     void cancel(detail::operation* op);
     // Hands `node` to the context's thread; thread-safe and allocation-free.
     void push_remote(detail::remote_node* node) noexcept;
+    // Runs `p` in this turn (or the next, if this turn's pollers already ran), in priority
+    // order. Queuing a queued poller does nothing. While a poller is queued the loop does not
+    // sleep: a poller that spins (busy polling) re-queues itself every turn.
+    void queue_poller(detail::poller* p) noexcept;
+    void dequeue_poller(detail::poller* p) noexcept;
     // True while the destructor drains: new operations must complete at once as cancelled.
     bool shutting_down() const noexcept { return shutting_down_; }
     io_uring* native_ring() noexcept { return &ring_; }
@@ -169,6 +185,7 @@ private:
     void enable_ring();
     void reap();
     std::size_t resume_ready();
+    void run_pollers();
     void drain_remote();
     void arm_wakeup();
     void wake() noexcept;
@@ -183,8 +200,11 @@ private:
     bool reaping_ = false;
     bool ring_disabled_ = false; // created disabled; enabled by the first thread that submits
     std::size_t in_flight_ = 0;
+    std::size_t background_ = 0;
+    std::size_t waiting_ = 0;
     std::vector<std::coroutine_handle<>> ready_;
     std::vector<std::coroutine_handle<>> resuming_;
+    detail::poller* pollers_ = nullptr; // queued pollers, sorted by priority (highest first)
     std::atomic<detail::remote_node*> remote_head_{nullptr};
     std::atomic<bool> stop_requested_{false};
     std::atomic<std::size_t> external_work_{0};

@@ -27,4 +27,15 @@ struct remote_node {
     void (*run)(remote_node* self) noexcept = nullptr;
 };
 
+// Work an io_context runs in the turn it was queued, after the CQEs were reaped and before
+// coroutines resume, higher priority first: completion channels that fired or that spin.
+// Coroutines it makes ready therefore resume in the pollers' priority order. Intrusive, owned
+// by its queuer, which must dequeue it (io_context::dequeue_poller) before it dies.
+struct poller {
+    void (*run)(poller* self) noexcept = nullptr;
+    int priority = 0;
+    poller* next = nullptr;
+    bool queued = false;
+};
+
 } // namespace ringverbs::detail

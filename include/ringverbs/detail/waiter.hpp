@@ -35,6 +35,7 @@ public:
         handle_ = h;
         source_ = source;
         detach_ = detach;
+        ctx.add_waiter();
         if (options.timeout != wait_options::no_timeout) {
             io_uring_sqe* sqe = ctx.get_sqe();
             ts_ = to_kernel_timespec(options.timeout);
@@ -64,7 +65,11 @@ public:
 
 private:
     void finish() noexcept {
-        if (gate_.finish()) ctx_->ready(handle_);
+        if (gate_.finish()) resume();
+    }
+    void resume() noexcept {
+        ctx_->remove_waiter();
+        ctx_->ready(handle_);
     }
     void cancel_timer() noexcept {
         try {
@@ -97,10 +102,7 @@ private:
         }
         return true;
     }
-    static void on_resume(void* owner) noexcept {
-        auto* self = static_cast<waiter*>(owner);
-        self->ctx_->ready(self->handle_);
-    }
+    static void on_resume(void* owner) noexcept { static_cast<waiter*>(owner)->resume(); }
 
     io_context* ctx_ = nullptr;
     std::coroutine_handle<> handle_;

@@ -1,0 +1,173 @@
+// The runtime's state behind channel, cq and qp. Shared ownership runs one way:
+// qp_state -> cq_state -> channel_state, so that a user may destroy the handles in any order:
+// a channel keeps serving its CQs until the last one is gone, a CQ lives while a QP uses it.
+#pragma once
+
+#include <ringverbs/detail/operation.hpp>
+#include <ringverbs/detail/waiter.hpp>
+#include <ringverbs/io_context.hpp>
+#include <ringverbs/verbs/completion_channel.hpp>
+#include <ringverbs/verbs/completion_queue.hpp>
+#include <ringverbs/verbs/context.hpp>
+#include <ringverbs/verbs/queue_pair.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace ringverbs {
+
+// How a channel learns that its CQs have completions.
+enum class polling_mode {
+    events, // arm the CQs and sleep until the channel's fd turns readable: no CPU when idle
+    busy,   // poll every CQ every loop turn, never arm: lowest latency, one core spinning
+    hybrid, // after a completion keep polling for channel_options::hybrid_spin, then arm and sleep
+};
+
+struct channel_counters {
+    std::uint64_t wakeups = 0;     // times the channel's fd was reported readable
+    std::uint64_t events = 0;      // CQ events read with ibv_get_cq_event
+    std::uint64_t acks = 0;        // ibv_ack_cq_events calls
+    std::uint64_t arms = 0;        // ibv_req_notify_cq calls
+    std::uint64_t polls = 0;       // ibv_poll_cq calls
+    std::uint64_t empty_polls = 0; // ibv_poll_cq calls that found nothing
+    std::uint64_t completions = 0; // work completions polled
+};
+
+struct cq_counters {
+    std::uint64_t events = 0;
+    std::uint64_t acks = 0;         // ibv_ack_cq_events calls
+    std::uint64_t acked_events = 0; // events acked by those calls
+    std::uint64_t arms = 0;
+    std::uint64_t polls = 0;
+    std::uint64_t empty_polls = 0;
+    std::uint64_t completions = 0;
+};
+
+namespace detail {
+
+struct qp_state;
+struct cq_state;
+
+// A posted work request that a coroutine awaits. wr_id carries its address, tagged.
+struct wr_op {
+    void (*on_wc)(wr_op* self, const ibv_wc& wc, bool last) noexcept = nullptr;
+    wr_op* prev = nullptr; // the QP's list of requests still owed a completion
+    wr_op* next = nullptr;
+};
+
+// wr_id values with the top bit set belong to ringverbs' per-request awaits; bit 62 marks the
+// last request of a chain, whose completion ends the await. Other wr_ids go to cq::next().
+inline constexpr std::uint64_t wr_tag_ours = std::uint64_t{1} << 63;
+inline constexpr std::uint64_t wr_tag_last = std::uint64_t{1} << 62;
+inline std::uint64_t wr_id_for(wr_op* op, bool last) noexcept {
+    return reinterpret_cast<std::uintptr_t>(op) | wr_tag_ours | (last ? wr_tag_last : 0);
+}
+
+struct channel_options_data {
+    int priority = 0;
+    polling_mode mode = polling_mode::events;
+    std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
+    std::uint32_t ack_batch = 64;
+    unsigned poll_batch = 32;
+};
+
+// The multishot poll on the channel's fd. Its own heap object: when the channel goes while
+// the kernel still owes the poll's final CQE, this object lives on, holding the channel (and
+// so its fd) open, and frees itself on that CQE: the fd is never closed under a live poll.
+struct channel_watch : operation {
+    io_context* ctx = nullptr;
+    std::shared_ptr<ibv_comp_channel> keep_open;
+    struct channel_state* owner = nullptr; // null once orphaned
+    bool in_flight = false;
+    std::uint64_t rearms = 0;
+};
+
+struct channel_state {
+    struct service_poller : poller {
+        channel_state* owner;
+    };
+
+    io_context* ctx;
+    verbs::completion_channel channel;
+    const verbs::context* device;
+    channel_options_data options;
+    channel_counters counters;
+    channel_watch* watch = nullptr;
+    service_poller service;
+    bool fd_ready = false;  // the fd was reported readable: drain events this turn
+    bool spinning = false;  // busy, or hybrid within its spin window
+    std::chrono::steady_clock::time_point last_completion{};
+    int next_vector = 0;
+    std::vector<cq_state*> cqs; // attached CQs (raw: each removes itself)
+    std::vector<cq_state*> fired; // CQs with an event this turn
+    int error = 0;           // a failure of the fd poll: the channel is dead
+
+    channel_state(io_context& c, const verbs::context& dev, channel_options_data o);
+    ~channel_state();
+    channel_state(const channel_state&) = delete;
+    channel_state& operator=(const channel_state&) = delete;
+
+    void arm_watch();
+    void run_service() noexcept;
+    std::size_t drain_cq(cq_state& cq) noexcept;
+    void fail(int err) noexcept;
+};
+
+struct cq_state {
+    std::shared_ptr<channel_state> channel;
+    verbs::completion_queue cq;
+    bool solicited_only = false;
+    bool armed = false;
+    bool closed = false; // the user's cq handle is gone: next() consumers are no more
+    cq_counters counters;
+    waiter_queue waiters;
+    // Completions nobody waits for yet, for next(). A ring with the CQ's capacity, grown
+    // (allocation) only if consumers fall behind by more than that.
+    std::vector<ibv_wc> buffer;
+    std::size_t head = 0;
+    std::size_t count = 0;
+    std::vector<qp_state*> qps; // QPs using this CQ (raw: each removes itself)
+
+    cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited);
+    ~cq_state();
+    cq_state(const cq_state&) = delete;
+    cq_state& operator=(const cq_state&) = delete;
+
+    void dispatch(const ibv_wc& wc) noexcept;
+    void deliver(const ibv_wc& wc) noexcept;
+    bool pop(ibv_wc& out) noexcept;
+    void arm() noexcept;
+    void fail_waiters(int err) noexcept;
+};
+
+struct qp_state {
+    std::shared_ptr<cq_state> send_cq;
+    std::shared_ptr<cq_state> recv_cq;
+    verbs::queue_pair qp;
+    wr_op* pending = nullptr; // requests owed a completion (intrusive list)
+    std::size_t pending_count = 0;
+    bool in_error = false;
+
+    qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
+             std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps);
+    ~qp_state();
+    qp_state(const qp_state&) = delete;
+    qp_state& operator=(const qp_state&) = delete;
+
+    void link(wr_op* op) noexcept;
+    void unlink(wr_op* op) noexcept;
+    // Moves the QP to the error state (flushing every outstanding request). Never throws:
+    // a failure is reported on stderr and the flush is then forced at teardown.
+    void to_error() noexcept;
+    // Teardown: flushes, then polls the CQs until every awaited request got its completion
+    // (bounded), then completes what is left as cancelled.
+    void drain_for_teardown() noexcept;
+};
+
+} // namespace detail
+} // namespace ringverbs

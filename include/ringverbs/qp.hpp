@@ -1,0 +1,199 @@
+// qp: an RC queue pair whose work requests coroutines post and co_await, each resumed by its
+// own request's completion.
+#pragma once
+
+#include <ringverbs/completion_error.hpp>
+#include <ringverbs/cq.hpp>
+#include <ringverbs/detail/io_awaiter.hpp>
+#include <ringverbs/detail/rdma_state.hpp>
+#include <ringverbs/detail/stop_gate.hpp>
+#include <ringverbs/io_context.hpp>
+#include <ringverbs/verbs/memory_region.hpp>
+#include <ringverbs/verbs/protection_domain.hpp>
+#include <ringverbs/verbs/queue_pair.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+
+namespace ringverbs {
+
+// Local memory a request reads or writes: a span inside a registered memory region.
+struct local_buffer {
+    void* addr = nullptr;
+    std::uint32_t length = 0;
+    std::uint32_t lkey = 0;
+
+    local_buffer() = default;
+    local_buffer(const verbs::memory_region& mr, std::span<std::byte> s) noexcept
+        : addr(s.data()), length(static_cast<std::uint32_t>(s.size())), lkey(mr.native()->lkey) {}
+    // Data for an inline send: copied at post time, needs no memory region.
+    static local_buffer inline_data(std::span<const std::byte> s) noexcept {
+        local_buffer b;
+        b.addr = const_cast<std::byte*>(s.data());
+        b.length = static_cast<std::uint32_t>(s.size());
+        return b;
+    }
+};
+
+// Remote memory of the peer (its address and rkey, exchanged out of band).
+struct remote_buffer {
+    std::uint64_t addr = 0;
+    std::uint32_t rkey = 0;
+};
+
+struct send_options {
+    std::optional<std::uint32_t> imm = {}; // immediate data (SEND_WITH_IMM / WRITE_WITH_IMM)
+    bool inline_data = false;              // IBV_SEND_INLINE (size <= the QP's max_inline_data)
+    bool solicited = false;                // IBV_SEND_SOLICITED: wakes a solicited_only CQ
+    bool fence = false;                    // IBV_SEND_FENCE
+};
+
+namespace detail {
+
+// What to post, as the qp's calls describe it; the awaiter builds the verbs request from it.
+struct wr_request {
+    ibv_wr_opcode opcode = IBV_WR_SEND;
+    local_buffer local;
+    unsigned send_flags = 0;
+    std::optional<std::uint32_t> imm;
+    remote_buffer remote;
+    std::uint64_t compare_add = 0;
+    std::uint64_t swap = 0;
+    ibv_send_wr* send_chain = nullptr; // a user's chain instead of one request
+    ibv_recv_wr* recv_chain = nullptr;
+    std::span<ibv_wc> each;
+};
+
+// The awaiter of one posted request or chain. Lives in the awaiting coroutine's frame; its
+// address is the requests' wr_id (tagged), so a completion resumes exactly this coroutine,
+// with no allocation and no lookup.
+//
+// Invariants:
+// - It is resumed only after the completion of the chain's last request arrived (the QP
+//   processes its queues in order, so that completion is the last one the chain produces) and
+//   its timer, if any, delivered its CQE. No buffer of the request is written after.
+// - A stop request or timeout cannot recall a posted request: it moves the QP to the error
+//   state, which flushes every outstanding request of the QP (IBV_WC_WR_FLUSH_ERR); the
+//   awaiter then resumes on its flush completion with operation_canceled / timed_out.
+class wr_awaiter : wr_op, operation {
+public:
+    enum class kind { send, recv };
+
+    wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
+               wait_options options) noexcept;
+    // Made in place (a prvalue) and never moved: the wr_id is its address.
+    wr_awaiter(const wr_awaiter&) = delete;
+    wr_awaiter& operator=(const wr_awaiter&) = delete;
+
+    bool await_ready() noexcept {
+        if (options_.stop.stop_requested() || qp_->send_cq->channel->ctx->shutting_down()) {
+            cancelled_early_ = true;
+            return true;
+        }
+        return false;
+    }
+    void await_suspend(std::coroutine_handle<> h);
+    ibv_wc await_resume();
+
+private:
+    static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
+    static void timer_fired(operation* op, int res, unsigned flags) noexcept;
+    static bool on_stop(void* self) noexcept;
+    static void on_resume(void* self) noexcept;
+    void finish() noexcept;
+    void resume() noexcept;
+    void abandon_posted_part() noexcept;
+
+    qp_state* qp_;
+    kind kind_;
+    ibv_send_wr send_wr_{};
+    ibv_recv_wr recv_wr_{};
+    ibv_sge sge_{};
+    ibv_send_wr* send_chain_ = nullptr;
+    ibv_recv_wr* recv_chain_ = nullptr;
+    std::span<ibv_wc> each_;
+    const char* name_;
+    wait_options options_;
+    std::coroutine_handle<> handle_;
+    ibv_wc result_{};
+    ibv_wc first_error_{};
+    std::size_t seen_ = 0;
+    bool failed_ = false;
+    bool done_ = false;
+    bool timed_out_ = false;
+    bool timer_pending_ = false;
+    bool cancelled_early_ = false;
+    bool abandoned_ = false;
+    __kernel_timespec ts_{};
+    stop_gate gate_;
+};
+
+} // namespace detail
+
+// Owns an RC queue pair whose send and receive completions go to two cqs (which may be the
+// same). Connect it with the verbs-level calls on native_qp() (to_init/to_rtr/to_rts) or
+// verbs::connect_loopback, then post and co_await:
+//
+//   ibv_wc wc = co_await q.send(local_buffer(mr, bytes));
+//
+// Every posted request completes exactly once, to the coroutine that posted it. A failed
+// completion throws completion_error (its ibv_wc_status and ibv_wc_status_str). After a QP
+// error every pending await resumes with its flush status; none is left hanging.
+//
+// Lifetime: destroying the qp moves it to the error state, waits (bounded, polling its CQs)
+// until every pending await got its flush completion, then destroys the QP: no buffer is
+// written after its awaiter resumed. Destroy before the io_context, on its thread.
+class qp {
+public:
+    // Throws std::system_error naming ibv_create_qp.
+    qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {});
+    ~qp();
+    qp(const qp&) = delete;
+    qp& operator=(const qp&) = delete;
+
+    verbs::queue_pair& native_qp() noexcept { return state_->qp; }
+    std::uint32_t qp_num() const noexcept { return state_->qp.qp_num(); }
+    // Requests posted through this qp whose completion has not arrived.
+    std::size_t pending() const noexcept { return state_->pending_count; }
+    // Moves the QP to the error state: every outstanding request completes with
+    // IBV_WC_WR_FLUSH_ERR. Throws std::system_error naming ibv_modify_qp.
+    void to_error();
+
+    // SEND (with immediate data, inline, solicited per `o`). Gives the completion.
+    detail::wr_awaiter send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
+    // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags).
+    detail::wr_awaiter recv(local_buffer into, wait_options w = {}) noexcept;
+    // RDMA WRITE of `data` to `to` (with immediate data per `o`).
+    detail::wr_awaiter write(local_buffer data, remote_buffer to, send_options o = {},
+                             wait_options w = {}) noexcept;
+    // RDMA READ of `from` into `into`.
+    detail::wr_awaiter read(local_buffer into, remote_buffer from, wait_options w = {}) noexcept;
+    // Atomic compare-and-swap of the 8 bytes at `at`; the old value lands in `old_value`
+    // (8 bytes, registered).
+    detail::wr_awaiter compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
+                                    std::uint64_t swap, wait_options w = {}) noexcept;
+    // Atomic fetch-and-add on the 8 bytes at `at`; the old value lands in `old_value`.
+    detail::wr_awaiter fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
+                                 wait_options w = {}) noexcept;
+
+    // Posts a chain of send requests in one ibv_post_send and awaits them together: the await
+    // ends with the completion of the last one (which is made signaled); earlier ones may be
+    // unsignaled (selective signaling). Their wr_ids are overwritten. Completions of the chain
+    // are copied to `each` (in order, as many as fit) when given. The first failure throws.
+    detail::wr_awaiter post_send(ibv_send_wr& chain, std::span<ibv_wc> each = {},
+                                 wait_options w = {}) noexcept;
+    // The same for a chain of receives in one ibv_post_recv: ends with the last one's
+    // completion; every receive produces one, copied to `each`.
+    detail::wr_awaiter post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each = {},
+                                 wait_options w = {}) noexcept;
+
+private:
+    std::shared_ptr<detail::qp_state> state_;
+};
+
+} // namespace ringverbs

@@ -1,0 +1,219 @@
+#include <ringverbs/channel.hpp>
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace ringverbs {
+
+namespace detail {
+
+namespace {
+
+void watch_cqe(operation* op, int res, unsigned flags) noexcept {
+    auto* w = static_cast<channel_watch*>(op);
+    const bool final_cqe = !(flags & IORING_CQE_F_MORE);
+    if (final_cqe) {
+        w->in_flight = false;
+        w->ctx->finish_background();
+    }
+    channel_state* ch = w->owner;
+    if (ch == nullptr) { // orphaned: the channel is gone, the fd closes with us
+        if (final_cqe) delete w;
+        return;
+    }
+    if (res >= 0) {
+        ++ch->counters.wakeups;
+        ch->fd_ready = true;
+        ch->ctx->queue_poller(&ch->service);
+    } else if (res != -ECANCELED) {
+        ch->fail(-res);
+        return;
+    }
+    if (final_cqe && !w->ctx->shutting_down() && ch->error == 0) {
+        try {
+            ch->arm_watch();
+            ++w->rearms;
+        } catch (const std::system_error& e) {
+            ch->fail(e.code().value());
+        }
+    }
+}
+
+} // namespace
+
+channel_state::channel_state(io_context& c, const verbs::context& dev, channel_options_data o)
+    : ctx(&c), channel(dev), device(&dev), options(o) {
+    service.owner = this;
+    service.priority = options.priority;
+    service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
+    watch = new channel_watch;
+    watch->on_cqe = &watch_cqe;
+    watch->ctx = ctx;
+    watch->keep_open = channel.handle();
+    watch->owner = this;
+    if (options.mode == polling_mode::busy) {
+        spinning = true;
+        ctx->queue_poller(&service);
+    } else {
+        try {
+            arm_watch();
+        } catch (...) {
+            delete watch;
+            throw;
+        }
+    }
+}
+
+channel_state::~channel_state() {
+    ctx->dequeue_poller(&service);
+    if (watch->in_flight) {
+        // The kernel still owes the poll's last CQE: the watch frees itself then, and holds
+        // the channel's fd open until it does.
+        watch->owner = nullptr;
+        if (!ctx->shutting_down()) {
+            try {
+                ctx->cancel(watch);
+            } catch (...) {
+                // The ring is unusable; ~io_context's cancel-all reaps the poll.
+            }
+        }
+    } else {
+        delete watch;
+    }
+}
+
+void channel_state::arm_watch() {
+    io_uring_sqe* sqe = ctx->get_sqe();
+    io_uring_prep_poll_multishot(sqe, channel.fd(), POLLIN);
+    io_uring_sqe_set_data(sqe, static_cast<operation*>(watch));
+    watch->in_flight = true;
+    ctx->start_background();
+}
+
+void channel_state::fail(int err) noexcept {
+    error = err;
+    std::fprintf(stderr, "ringverbs: completion channel fd %d: poll failed: %s\n", channel.fd(),
+                 std::system_category().message(err).c_str());
+    for (cq_state* c : cqs) c->fail_waiters(err);
+}
+
+// Polls `c` until it is empty, dispatching every completion. Returns how many.
+std::size_t channel_state::drain_cq(cq_state& c) noexcept {
+    ibv_wc wcs[64];
+    const std::size_t batch = std::min<std::size_t>(options.poll_batch, 64);
+    std::size_t total = 0;
+    for (;;) {
+        std::size_t n = 0;
+        try {
+            n = c.cq.poll(std::span<ibv_wc>(wcs, batch));
+        } catch (const std::system_error& e) {
+            std::fprintf(stderr, "ringverbs: %s\n", e.what());
+            c.fail_waiters(e.code().value());
+            break;
+        }
+        ++counters.polls;
+        ++c.counters.polls;
+        if (n == 0) {
+            ++counters.empty_polls;
+            ++c.counters.empty_polls;
+            break;
+        }
+        counters.completions += n;
+        c.counters.completions += n;
+        total += n;
+        for (std::size_t i = 0; i < n; ++i) c.dispatch(wcs[i]);
+        if (n < batch) break; // the CQ was empty when polled: nothing is stranded (armed first)
+    }
+    return total;
+}
+
+// One service pass, in the io_context's poller phase (after the CQEs of this turn, before
+// coroutines resume). The order per CQ is the one that strands nothing: take the event, count
+// it for the batched ack, re-arm, then poll until empty: a completion that lands between the
+// last poll and the arm raises a new event, one that lands before is found by the poll.
+void channel_state::run_service() noexcept {
+    std::size_t found = 0;
+    if (fd_ready) {
+        fd_ready = false;
+        fired.clear();
+        for (;;) {
+            std::optional<verbs::cq_event> ev;
+            try {
+                ev = channel.get_event();
+            } catch (const std::system_error& e) {
+                fail(e.code().value());
+                return;
+            }
+            if (!ev) break;
+            ++counters.events;
+            auto* c = static_cast<cq_state*>(ev->user_context);
+            ++c->counters.events;
+            c->armed = false;
+            if (std::find(fired.begin(), fired.end(), c) == fired.end()) fired.push_back(c);
+        }
+        for (cq_state* c : fired) {
+            if (c->cq.unacked_events() >= options.ack_batch) {
+                std::uint32_t n = c->cq.unacked_events();
+                c->cq.ack_events(n);
+                ++counters.acks;
+                ++c->counters.acks;
+                c->counters.acked_events += n;
+            }
+            if (!spinning) {
+                c->arm();
+                ++counters.arms;
+            }
+            found += drain_cq(*c);
+        }
+    }
+    if (!spinning) {
+        if (found > 0 && options.mode == polling_mode::hybrid) {
+            spinning = true;
+            last_completion = std::chrono::steady_clock::now();
+            ctx->queue_poller(&service);
+        }
+        return;
+    }
+    // busy, or hybrid inside its spin window: poll everything, arm nothing.
+    for (cq_state* c : cqs) found += drain_cq(*c);
+    if (options.mode == polling_mode::busy) {
+        ctx->queue_poller(&service);
+        return;
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (found > 0) last_completion = now;
+    if (now - last_completion < options.hybrid_spin) {
+        ctx->queue_poller(&service);
+        return;
+    }
+    // The spin window is over: arm every CQ, then poll once more so that a completion that
+    // arrived before its arm is not left waiting for an event that will never come.
+    spinning = false;
+    std::size_t late = 0;
+    for (cq_state* c : cqs) {
+        if (!c->armed) {
+            c->arm();
+            ++counters.arms;
+        }
+        late += drain_cq(*c);
+    }
+    if (late > 0) {
+        spinning = true;
+        last_completion = now;
+        ctx->queue_poller(&service);
+    }
+}
+
+} // namespace detail
+
+channel::channel(io_context& ctx, const verbs::context& device, channel_options o)
+    : state_(std::make_shared<detail::channel_state>(
+          ctx, device,
+          detail::channel_options_data{o.priority, o.mode, o.hybrid_spin, o.ack_batch,
+                                       o.poll_batch == 0 ? 1u : o.poll_batch})) {}
+
+channel::~channel() = default;
+
+} // namespace ringverbs

@@ -1,0 +1,329 @@
+#include <ringverbs/qp.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+namespace ringverbs {
+
+namespace detail {
+
+qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
+                   std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps)
+    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(pd, send_cq->cq, recv_cq->cq, caps) {
+    send_cq->qps.push_back(this);
+    if (recv_cq != send_cq) recv_cq->qps.push_back(this);
+}
+
+qp_state::~qp_state() {
+    drain_for_teardown();
+    std::erase(send_cq->qps, this);
+    std::erase(recv_cq->qps, this);
+}
+
+void qp_state::link(wr_op* op) noexcept {
+    op->prev = nullptr;
+    op->next = pending;
+    if (pending) pending->prev = op;
+    pending = op;
+    ++pending_count;
+}
+
+void qp_state::unlink(wr_op* op) noexcept {
+    if (op->prev) op->prev->next = op->next;
+    else pending = op->next;
+    if (op->next) op->next->prev = op->prev;
+    op->prev = op->next = nullptr;
+    --pending_count;
+}
+
+void qp_state::to_error() noexcept {
+    if (in_error) return;
+    try {
+        qp.to_error();
+        in_error = true;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "ringverbs: %s\n", e.what());
+    }
+}
+
+void qp_state::drain_for_teardown() noexcept {
+    if (pending_count == 0) return;
+    to_error();
+    // The flushes arrive on the CQs: poll them here (completions of other QPs are dispatched
+    // as usual, their coroutines resume later from the loop). Bounded: a device that never
+    // flushes must not hang the program.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (pending_count > 0 && std::chrono::steady_clock::now() < deadline) {
+        std::size_t n = send_cq->channel->drain_cq(*send_cq);
+        if (recv_cq != send_cq) n += recv_cq->channel->drain_cq(*recv_cq);
+        if (n == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (pending_count > 0)
+        std::fprintf(stderr, "ringverbs: qp %u destroyed with %zu requests not flushed after 5 s; "
+                             "their awaiters resume as cancelled\n", qp.qp_num(), pending_count);
+    while (pending) {
+        ibv_wc wc{};
+        wc.status = IBV_WC_WR_FLUSH_ERR;
+        wc.qp_num = qp.qp_num();
+        wr_op* op = pending;
+        op->on_wc(op, wc, true);
+    }
+}
+
+wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
+                       wait_options options) noexcept
+    : qp_(qp), kind_(k), name_(name), options_(std::move(options)) {
+    on_wc = &wr_awaiter::completed;
+    on_cqe = &wr_awaiter::timer_fired;
+    sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
+    sge_.length = r.local.length;
+    sge_.lkey = r.local.lkey;
+    each_ = r.each;
+    if (k == kind::recv) {
+        recv_chain_ = r.recv_chain;
+        recv_wr_.sg_list = &sge_;
+        recv_wr_.num_sge = 1;
+        return;
+    }
+    send_chain_ = r.send_chain;
+    send_wr_.opcode = r.opcode;
+    send_wr_.sg_list = &sge_;
+    send_wr_.num_sge = r.local.length > 0 || r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
+                               r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD
+                           ? 1
+                           : 0;
+    send_wr_.send_flags = r.send_flags | IBV_SEND_SIGNALED;
+    if (r.imm) send_wr_.imm_data = htobe32(*r.imm);
+    if (r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+        send_wr_.wr.atomic.remote_addr = r.remote.addr;
+        send_wr_.wr.atomic.rkey = r.remote.rkey;
+        send_wr_.wr.atomic.compare_add = r.compare_add;
+        send_wr_.wr.atomic.swap = r.swap;
+    } else {
+        send_wr_.wr.rdma.remote_addr = r.remote.addr;
+        send_wr_.wr.rdma.rkey = r.remote.rkey;
+    }
+}
+
+void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
+    handle_ = h;
+    io_context& ctx = *qp_->send_cq->channel->ctx;
+    if (kind_ == kind::send) {
+        ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
+        ibv_send_wr* last = head;
+        for (ibv_send_wr* w = head; w; w = w->next) {
+            w->wr_id = wr_id_for(this, w->next == nullptr);
+            last = w;
+        }
+        last->send_flags |= IBV_SEND_SIGNALED;
+        ibv_send_wr* bad = nullptr;
+        int rc = ibv_post_send(qp_->qp.native(), head, &bad);
+        if (rc != 0) {
+            // Requests before `bad` were posted and will complete against this awaiter: the
+            // only safe answer is to fail the QP and wait for their flushes.
+            if (bad != head) abandon_posted_part();
+            throw_system_error(verbs::verb_errno(rc), name_);
+        }
+    } else {
+        ibv_recv_wr* head = recv_chain_ ? recv_chain_ : &recv_wr_;
+        for (ibv_recv_wr* w = head; w; w = w->next) w->wr_id = wr_id_for(this, w->next == nullptr);
+        ibv_recv_wr* bad = nullptr;
+        int rc = ibv_post_recv(qp_->qp.native(), head, &bad);
+        if (rc != 0) {
+            if (bad != head) abandon_posted_part();
+            throw_system_error(verbs::verb_errno(rc), name_);
+        }
+    }
+    qp_->link(this);
+    ctx.add_waiter();
+    if (options_.timeout != wait_options::no_timeout) {
+        io_uring_sqe* sqe = ctx.get_sqe();
+        ts_ = to_kernel_timespec(options_.timeout);
+        io_uring_prep_timeout(sqe, &ts_, 0, 0);
+        io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
+        timer_pending_ = true;
+        ctx.start_operation();
+    }
+    gate_.arm(ctx, options_.stop, this, &wr_awaiter::on_stop, &wr_awaiter::on_resume);
+}
+
+// ibv_post_* failed at `bad`, after the requests before it were posted: they will complete
+// against this awaiter, whose co_await is about to throw. Flush the QP and take their
+// completions here, so that none arrives after the awaiter is gone.
+void wr_awaiter::abandon_posted_part() noexcept {
+    abandoned_ = true;
+    qp_->link(this);
+    qp_->to_error();
+    qp_->drain_for_teardown();
+}
+
+void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
+    auto* self = static_cast<wr_awaiter*>(op);
+    if (self->abandoned_) {
+        if (last) self->qp_->unlink(self);
+        return;
+    }
+    if (self->seen_ < self->each_.size()) self->each_[self->seen_] = wc;
+    ++self->seen_;
+    if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
+        self->failed_ = true;
+        self->first_error_ = wc;
+    }
+    if (!last) return;
+    self->result_ = wc;
+    self->done_ = true;
+    self->qp_->unlink(self);
+    if (self->timer_pending_) {
+        try {
+            self->qp_->send_cq->channel->ctx->cancel(static_cast<operation*>(self));
+        } catch (...) {
+            // The ring is unusable: the timer still fires on its own.
+        }
+        return; // resumed when the timer's CQE arrives
+    }
+    self->finish();
+}
+
+void wr_awaiter::timer_fired(operation* op, int, unsigned) noexcept {
+    auto* self = static_cast<wr_awaiter*>(op);
+    self->timer_pending_ = false;
+    self->qp_->send_cq->channel->ctx->finish_operation();
+    if (!self->done_) {
+        // The deadline passed: flush the QP; the flush completion resumes us.
+        self->timed_out_ = true;
+        self->qp_->to_error();
+        return;
+    }
+    self->finish();
+}
+
+bool wr_awaiter::on_stop(void* p) noexcept {
+    auto* self = static_cast<wr_awaiter*>(p);
+    if (!self->done_) {
+        self->qp_->to_error();
+        return false; // the flush completion finishes the await
+    }
+    return !self->timer_pending_;
+}
+
+void wr_awaiter::on_resume(void* p) noexcept { static_cast<wr_awaiter*>(p)->resume(); }
+
+void wr_awaiter::finish() noexcept {
+    if (gate_.finish()) resume();
+}
+
+void wr_awaiter::resume() noexcept {
+    io_context& ctx = *qp_->send_cq->channel->ctx;
+    ctx.remove_waiter();
+    ctx.ready(handle_);
+}
+
+ibv_wc wr_awaiter::await_resume() {
+    if (cancelled_early_) throw_system_error(ECANCELED, name_);
+    gate_.disarm();
+    if (!failed_) return result_;
+    if (gate_.stop_won()) throw_system_error(ECANCELED, name_);
+    if (timed_out_) throw_system_error(ETIMEDOUT, name_);
+    throw completion_error(first_error_, name_);
+}
+
+} // namespace detail
+
+qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps)
+    : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, caps)) {}
+
+qp::~qp() = default;
+
+void qp::to_error() {
+    state_->qp.to_error();
+    state_->in_error = true;
+}
+
+using detail::wr_awaiter;
+using detail::wr_request;
+
+namespace {
+unsigned flags_of(const send_options& o) {
+    unsigned f = 0;
+    if (o.inline_data) f |= IBV_SEND_INLINE;
+    if (o.solicited) f |= IBV_SEND_SOLICITED;
+    if (o.fence) f |= IBV_SEND_FENCE;
+    return f;
+}
+} // namespace
+
+wr_awaiter qp::send(local_buffer data, send_options o, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+    r.local = data;
+    r.send_flags = flags_of(o);
+    r.imm = o.imm;
+    return {state_.get(), wr_awaiter::kind::send,
+            o.imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)", r, std::move(w)};
+}
+
+wr_awaiter qp::recv(local_buffer into, wait_options w) noexcept {
+    wr_request r;
+    r.local = into;
+    return {state_.get(), wr_awaiter::kind::recv, "ibv_post_recv", r, std::move(w)};
+}
+
+wr_awaiter qp::write(local_buffer data, remote_buffer to, send_options o, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = o.imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    r.local = data;
+    r.remote = to;
+    r.send_flags = flags_of(o);
+    r.imm = o.imm;
+    return {state_.get(), wr_awaiter::kind::send,
+            o.imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)", r,
+            std::move(w)};
+}
+
+wr_awaiter qp::read(local_buffer into, remote_buffer from, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = IBV_WR_RDMA_READ;
+    r.local = into;
+    r.remote = from;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(RDMA_READ)", r, std::move(w)};
+}
+
+wr_awaiter qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
+                            std::uint64_t swap, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
+    r.local = old_value;
+    r.remote = at;
+    r.compare_add = compare;
+    r.swap = swap;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(ATOMIC_CMP_AND_SWP)", r,
+            std::move(w)};
+}
+
+wr_awaiter qp::fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
+                         wait_options w) noexcept {
+    wr_request r;
+    r.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+    r.local = old_value;
+    r.remote = at;
+    r.compare_add = add;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(ATOMIC_FETCH_AND_ADD)", r,
+            std::move(w)};
+}
+
+wr_awaiter qp::post_send(ibv_send_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
+    wr_request r;
+    r.send_chain = &chain;
+    r.each = each;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send", r, std::move(w)};
+}
+
+wr_awaiter qp::post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
+    wr_request r;
+    r.recv_chain = &chain;
+    r.each = each;
+    return {state_.get(), wr_awaiter::kind::recv, "ibv_post_recv", r, std::move(w)};
+}
+
+} // namespace ringverbs
