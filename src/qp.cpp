@@ -106,9 +106,18 @@ wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request&
     }
 }
 
-void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
-    handle_ = h;
-    io_context& ctx = *qp_->send_cq->channel->ctx;
+wr_awaiter::~wr_awaiter() {
+    if (posted_ && !done_) {
+        // Posted with post() and never awaited: the request still owns its buffer and its
+        // wr_id names this object. Flush the QP and take the completion before going.
+        std::fprintf(stderr, "ringverbs: %s: a posted request was destroyed before its "
+                             "completion; the QP is moved to the error state\n", name_);
+        abandon_posted_part();
+    }
+}
+
+void wr_awaiter::post() {
+    if (posted_) return;
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
         ibv_send_wr* last = head;
@@ -135,7 +144,15 @@ void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
             throw_system_error(verbs::verb_errno(rc), name_);
         }
     }
+    posted_ = true;
     qp_->link(this);
+}
+
+void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
+    handle_ = h;
+    io_context& ctx = *qp_->send_cq->channel->ctx;
+    post();
+    awaiting_ = true;
     ctx.add_waiter();
     if (options_.timeout != wait_options::no_timeout) {
         io_uring_sqe* sqe = ctx.get_sqe();
@@ -153,7 +170,7 @@ void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
 // completions here, so that none arrives after the awaiter is gone.
 void wr_awaiter::abandon_posted_part() noexcept {
     abandoned_ = true;
-    qp_->link(this);
+    if (!posted_) qp_->link(this);
     qp_->to_error();
     qp_->drain_for_teardown();
 }
@@ -174,6 +191,7 @@ void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     self->result_ = wc;
     self->done_ = true;
     self->qp_->unlink(self);
+    if (!self->awaiting_) return; // posted early: the co_await will find it done
     if (self->timer_pending_) {
         try {
             self->qp_->send_cq->channel->ctx->cancel(static_cast<operation*>(self));
@@ -222,6 +240,7 @@ void wr_awaiter::resume() noexcept {
 ibv_wc wr_awaiter::await_resume() {
     if (cancelled_early_) throw_system_error(ECANCELED, name_);
     gate_.disarm();
+    awaiting_ = false;
     if (!failed_) return result_;
     if (gate_.stop_won()) throw_system_error(ECANCELED, name_);
     if (timed_out_) throw_system_error(ETIMEDOUT, name_);

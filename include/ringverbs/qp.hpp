@@ -89,13 +89,24 @@ public:
     // Made in place (a prvalue) and never moved: the wr_id is its address.
     wr_awaiter(const wr_awaiter&) = delete;
     wr_awaiter& operator=(const wr_awaiter&) = delete;
+    // A request posted with post() must be awaited before the awaiter goes; if it is not,
+    // the destructor moves the QP to the error state and waits for the flush (and says so).
+    ~wr_awaiter();
+
+    // Posts the request now instead of at co_await (pre-posting receives, pipelining):
+    //   auto r = q.recv(buf); r.post(); ...; ibv_wc wc = co_await r;
+    // Throws std::system_error naming the verb (ENOMEM: queue full). The timeout and the
+    // stop_token start counting at co_await.
+    void post();
 
     bool await_ready() noexcept {
-        if (options_.stop.stop_requested() || qp_->send_cq->channel->ctx->shutting_down()) {
+        if (cancelled_early_) return true;
+        if (!posted_ &&
+            (options_.stop.stop_requested() || qp_->send_cq->channel->ctx->shutting_down())) {
             cancelled_early_ = true;
             return true;
         }
-        return false;
+        return posted_ && done_;
     }
     void await_suspend(std::coroutine_handle<> h);
     ibv_wc await_resume();
@@ -129,6 +140,8 @@ private:
     bool timer_pending_ = false;
     bool cancelled_early_ = false;
     bool abandoned_ = false;
+    bool posted_ = false;
+    bool awaiting_ = false;
     __kernel_timespec ts_{};
     stop_gate gate_;
 };
