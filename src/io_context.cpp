@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 
 namespace ringverbs {
 
@@ -136,6 +137,7 @@ io_context::~io_context() {
                                  "destruction\n");
         }
     }
+    while (posters_.load() != 0) std::this_thread::yield();
     ::close(wake_fd_);
     io_uring_queue_exit(&ring_);
 }
@@ -160,7 +162,11 @@ void io_context::cancel(detail::operation* op) {
     io_uring_sqe_set_data64(sqe, detail::ignored_user_data);
 }
 
+// Another thread's push can be consumed, and the context destroyed, before that thread's
+// wake() has written the eventfd: posters_ counts the threads between the two, and the
+// destructor waits for them before it closes the eventfd.
 void io_context::push_remote(detail::remote_node* node) noexcept {
+    posters_.fetch_add(1);
     detail::remote_node* head = remote_head_.load(std::memory_order_relaxed);
     do {
         node->next = head;
@@ -169,6 +175,7 @@ void io_context::push_remote(detail::remote_node* node) noexcept {
     // Only the push onto an empty queue needs to wake the loop: a non-empty queue means a
     // wake is already on its way, or the loop has not drained it yet.
     if (head == nullptr && running_context != this) wake();
+    posters_.fetch_sub(1);
 }
 
 void io_context::wake() noexcept {
@@ -178,16 +185,19 @@ void io_context::wake() noexcept {
 }
 
 void io_context::stop() noexcept {
+    posters_.fetch_add(1);
     stop_requested_.store(true, std::memory_order_relaxed);
     if (running_context != this) wake();
+    posters_.fetch_sub(1);
 }
 
 void io_context::work_guard::reset() noexcept {
     if (!ctx_) return;
-    if (ctx_->external_work_.fetch_sub(1, std::memory_order_acq_rel) == 1 &&
-        running_context != ctx_)
-        ctx_->wake();
-    ctx_ = nullptr;
+    io_context* c = std::exchange(ctx_, nullptr);
+    c->posters_.fetch_add(1);
+    if (c->external_work_.fetch_sub(1, std::memory_order_acq_rel) == 1 && running_context != c)
+        c->wake();
+    c->posters_.fetch_sub(1);
 }
 
 void io_context::post(std::function<void()> fn) {

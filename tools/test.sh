@@ -3,11 +3,15 @@
 #
 #   tools/test.sh
 #
-# 1. GCC build (build/, warnings as errors): the engine suite on the host, the rdma suite
-#    where a real RDMA device exists (tools/softroce-vm: directly, or Soft-RoCE in QEMU), the
-#    engine benchmark (it fails when our steady state allocates).
+# 1. GCC build (build/, warnings as errors): the engine suite on the host (every public
+#    header compiled alone, the C++17 guard), the consumer suite (tests/consumer as a
+#    subproject and installed via pkg-config), the rdma suite where a real RDMA device exists
+#    (tools/softroce-vm: directly, or Soft-RoCE in QEMU), the engine benchmark (it fails when
+#    our steady state allocates).
 # 2. Clang build with AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/): both
 #    suites again.
+# 3. Clang build with ThreadSanitizer (build-tsan/): the engine tests where threads meet
+#    (cross-thread post/schedule/stop, stop_token racing completions).
 # Ends with one line "tests: N passed, N failed, N skipped" and exits non-zero when anything
 # failed. A suite that cannot run (no device and no VM) is reported as SKIPPED, never passed.
 set -euo pipefail
@@ -32,13 +36,13 @@ configure() { # dir, compiler, extra meson args...
     ninja -C "$dir"
 }
 
-# run_suite NAME BUILD_DIR SUITE [in-vm]
+# run_suite NAME BUILD_DIR "SUITE [SUITE...]" [vm]
 run_suite() {
-    local name=$1 dir=$2 suite=$3 where=${4:-host} rc=0
+    local name=$1 dir=$2 suites=$3 where=${4:-host} rc=0 s
     echo
-    echo "=== $name: suite '$suite' ($where)"
-    local cmd=(meson test -C "$dir" --suite "$suite" --no-rebuild --print-errorlogs
-               --logbase "$name" --num-processes 2)
+    echo "=== $name: suite(s) '$suites' ($where)"
+    local cmd=(meson test -C "$dir" --no-rebuild --print-errorlogs --logbase "$name" --num-processes 2)
+    for s in $suites; do cmd+=(--suite "$s"); done
     if [ "$where" = vm ]; then
         tools/softroce-vm -t 1200 -- "${cmd[@]}" || rc=$?
     else
@@ -58,7 +62,10 @@ run_suite() {
 echo "=== GCC build (build/)"
 configure build g++ --buildtype=debugoptimized
 run_suite engine-gcc build engine
-run_suite rdma-gcc build rdma vm
+# tests/consumer built as a Meson subproject and against a staged meson install through
+# pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
+run_suite consumer-gcc build consumer
+run_suite rdma-gcc build "rdma consumer-rdma" vm
 
 echo
 echo "=== engine benchmark (ours vs liburing vs epoll; fails if the steady state allocates)"
@@ -77,6 +84,21 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 run_suite engine-asan build-asan engine
 run_suite rdma-asan build-asan rdma vm
+
+echo
+echo "=== Clang + ThreadSanitizer (build-tsan/): the engine tests where threads meet"
+if [ ! -f build-tsan/build.ninja ]; then
+    CXX=clang++ meson setup build-tsan -Dwerror=true --buildtype=debugoptimized -Db_sanitize=thread \
+        -Db_lundef=false -Dcpp_args=-fno-sanitize=function -Dcpp_link_args=-fno-sanitize=function
+fi
+tsan_tests=(io_context poll file_io timer)
+# shellcheck disable=SC2046 # word splitting wanted: one target per test
+ninja -C build-tsan $(printf 'tests/engine/%s_test ' "${tsan_tests[@]}")
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+rc=0
+meson test -C build-tsan --no-rebuild --print-errorlogs --logbase engine-tsan "${tsan_tests[@]}" || rc=$?
+cp build-tsan/meson-logs/engine-tsan.json "$logs/" 2>/dev/null || true
+[ $rc -eq 0 ] || { echo "!!! engine-tsan: FAILED (exit $rc)"; status=1; }
 
 echo
 python3 - "$logs" <<'PY' || status=1

@@ -4,6 +4,8 @@
 // coroutines awaiting them.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/rdma_state.hpp>
 #include <ringverbs/io_context.hpp>
 #include <ringverbs/verbs/context.hpp>

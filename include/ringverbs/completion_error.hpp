@@ -1,6 +1,8 @@
 // completion_error: a work completion that did not succeed, as an exception.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/error.hpp>
 
 #include <infiniband/verbs.h>

@@ -1,6 +1,8 @@
 // cq: a completion queue on a channel whose completions coroutines co_await.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/channel.hpp>
 #include <ringverbs/detail/rdma_state.hpp>
 #include <ringverbs/detail/waiter.hpp>

@@ -2,9 +2,7 @@
 // (the io_uring opcode, the verb) and whose code is the errno.
 #pragma once
 
-#if __cplusplus < 202002L
-#error "ringverbs needs C++20 (coroutines): compile with -std=c++20 or meson's cpp_std=c++20"
-#endif
+#include <ringverbs/detail/config.hpp>
 
 #include <string>
 #include <system_error>

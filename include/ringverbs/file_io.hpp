@@ -1,6 +1,8 @@
 // read and write on any fd (files, pipes, eventfds) through the ring.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/io_awaiter.hpp>
 #include <ringverbs/io_context.hpp>
 

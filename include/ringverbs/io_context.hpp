@@ -2,6 +2,8 @@
 // operations complete.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/error.hpp>
 #include <ringverbs/task.hpp>
@@ -208,6 +210,7 @@ private:
     std::atomic<detail::remote_node*> remote_head_{nullptr};
     std::atomic<bool> stop_requested_{false};
     std::atomic<std::size_t> external_work_{0};
+    std::atomic<int> posters_{0}; // threads inside push_remote/stop/work_guard::reset
 
     struct wakeup_op : detail::operation {
         io_context* ctx = nullptr;

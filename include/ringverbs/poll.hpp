@@ -1,6 +1,8 @@
 // Waiting for an fd to become ready: a one-shot poll, and a multishot poll stream.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/io_awaiter.hpp>
 #include <ringverbs/detail/waiter.hpp>
 #include <ringverbs/io_context.hpp>

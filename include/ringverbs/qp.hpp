@@ -2,6 +2,8 @@
 // own request's completion.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/completion_error.hpp>
 #include <ringverbs/cq.hpp>
 #include <ringverbs/detail/io_awaiter.hpp>

@@ -1,6 +1,8 @@
 // Everything of the engine in one include.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/error.hpp>
 #include <ringverbs/file_io.hpp>
 #include <ringverbs/io_context.hpp>

@@ -1,6 +1,8 @@
 // Socket operations through the ring: accept, connect, recv, send.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/io_awaiter.hpp>
 #include <ringverbs/io_context.hpp>
 

@@ -2,6 +2,8 @@
 // awaiter. An exception thrown in the task reaches the awaiter from co_await.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/error.hpp>
 
 #include <atomic>

@@ -1,6 +1,8 @@
 // Sleeping on the ring: an IORING_OP_TIMEOUT per wait, no timer thread, no allocation.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/io_awaiter.hpp>
 #include <ringverbs/io_context.hpp>
 

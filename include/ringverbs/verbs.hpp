@@ -1,6 +1,8 @@
 // Umbrella header: every RAII verbs wrapper (ringverbs::verbs).
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/verbs/access.hpp>
 #include <ringverbs/verbs/completion_channel.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>

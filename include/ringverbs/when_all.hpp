@@ -1,6 +1,8 @@
 // when_all: run several tasks concurrently on the current context and wait for all of them.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/task.hpp>
 
 #include <atomic>

@@ -173,3 +173,23 @@ TEST_CASE("a solicited_only CQ wakes only for solicited receives (and polls them
     CHECK(io.run(three()) == 3);
     CHECK(recv_cq.counters().events >= 1);
 }
+
+TEST_CASE("CQs spread over the completion vectors by default, or use the one named") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    const int vectors = dev.ctx.num_comp_vectors();
+    REQUIRE(vectors >= 1);
+    std::vector<std::unique_ptr<cq>> cqs;
+    for (int i = 0; i < 2 * vectors; ++i) cqs.push_back(std::make_unique<cq>(ch));
+    for (int i = 0; i < 2 * vectors; ++i) CHECK(cqs[static_cast<std::size_t>(i)]->comp_vector() == i % vectors);
+    cq pinned(ch, cq_options{.comp_vector = vectors - 1});
+    CHECK(pinned.comp_vector() == vectors - 1);
+    try {
+        cq bad(ch, cq_options{.comp_vector = vectors});
+        FAIL("an out-of-range vector was accepted");
+    } catch (const std::system_error& e) {
+        CHECK(e.code() == std::errc::invalid_argument);
+        CHECK(std::string(e.what()).find("ibv_create_cq") != std::string::npos);
+    }
+}

@@ -2,6 +2,8 @@
 // sleep, ...). Lives in the awaiting coroutine's frame: no allocation per operation.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/detail/stop_gate.hpp>
 #include <ringverbs/error.hpp>

@@ -2,6 +2,8 @@
 // kernel delivers a CQE, and what another thread pushes to hand work to the owning thread.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <cstdint>
 
 namespace ringverbs::detail {

@@ -3,6 +3,8 @@
 // a channel keeps serving its CQs until the last one is gone, a CQ lives while a QP uses it.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/detail/waiter.hpp>
 #include <ringverbs/io_context.hpp>

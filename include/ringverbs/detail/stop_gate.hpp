@@ -2,6 +2,8 @@
 // lives on one io_context's thread.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/io_context.hpp>
 

@@ -2,6 +2,8 @@
 // next()), with an optional deadline and stop_token.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/detail/io_awaiter.hpp>
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/detail/stop_gate.hpp>

@@ -2,6 +2,8 @@
 // rights a buffer or QP grants are visible at the call site.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <infiniband/verbs.h>
 
 namespace ringverbs::verbs {

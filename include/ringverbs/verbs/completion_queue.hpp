@@ -1,6 +1,8 @@
 // A completion queue (ibv_cq): where the device reports finished work requests.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/verbs/completion_channel.hpp>
 #include <ringverbs/verbs/context.hpp>
 #include <ringverbs/verbs/verb_error.hpp>

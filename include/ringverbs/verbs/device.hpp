@@ -2,6 +2,8 @@
 // ibv_open_device needs; context.hpp opens one.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <infiniband/verbs.h>
 
 #include <cstddef>

@@ -1,6 +1,8 @@
 // A registered memory region (ibv_mr): a buffer the device may access, with the rights granted.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/verbs/access.hpp>
 #include <ringverbs/verbs/protection_domain.hpp>
 

@@ -2,6 +2,8 @@
 // used together.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/verbs/context.hpp>
 
 #include <infiniband/verbs.h>

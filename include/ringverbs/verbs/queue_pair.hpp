@@ -2,6 +2,8 @@
 // RESET -> INIT -> RTR -> RTS.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/verbs/access.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>
 #include <ringverbs/verbs/protection_domain.hpp>

@@ -3,6 +3,8 @@
 // uses so every wrapper reports the verb's name and the real errno.
 #pragma once
 
+#include <ringverbs/detail/config.hpp>
+
 #include <ringverbs/error.hpp>
 
 #include <cerrno>

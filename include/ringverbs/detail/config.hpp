@@ -1,0 +1,9 @@
+// Included first by every ringverbs header: a consumer compiling in an older C++ gets one clear
+// error instead of a wall of errors from <coroutine>, concepts and designated initializers.
+#pragma once
+
+#if __cplusplus < 202002L
+#error "ringverbs needs C++20 (coroutines): compile with -std=c++20 or meson's cpp_std=c++20"
+// A missing include is fatal in GCC and Clang: compilation stops here, after the line above.
+#include <ringverbs-needs-cpp20>
+#endif
