@@ -115,7 +115,7 @@ io_context::~io_context() {
             remote_head_.load(std::memory_order_acquire) == nullptr)
             break;
         try {
-            submit_and_reap(ready_.empty());
+            submit_and_reap(ready_.empty(), false);
         } catch (const std::exception& e) {
             std::fprintf(stderr, "ringverbs: ~io_context: %s\n", e.what());
             break;
@@ -260,16 +260,24 @@ void io_context::enable_ring() {
     ring_disabled_ = false;
 }
 
-void io_context::submit_and_reap(bool wait) {
+void io_context::submit_and_reap(bool wait, bool spinning) {
     enable_ring();
     int r;
+    const bool defer = (setup_flags_ & IORING_SETUP_DEFER_TASKRUN) != 0;
     if (wait && io_uring_cq_ready(&ring_) == 0)
         r = io_uring_submit_and_wait(&ring_, 1);
-    else if ((setup_flags_ & IORING_SETUP_DEFER_TASKRUN) || io_uring_sq_ready(&ring_) > 0)
-        // With DEFER_TASKRUN completions are only posted when we enter with GETEVENTS.
-        r = io_uring_submit_and_get_events(&ring_);
-    else
+    else if (io_uring_sq_ready(&ring_) > 0)
+        r = defer ? io_uring_submit_and_get_events(&ring_) : io_uring_submit(&ring_);
+    else if (!defer)
+        r = 0; // completions are posted without us: the CQ ring is read below
+    else if (spinning && (in_flight_ + background_ == 0 || (++spin_turns_ & 15u) != 0))
+        // A busy-polling channel turns the loop as fast as it can; entering the kernel each
+        // turn only to collect io_uring completions (DEFER_TASKRUN posts them only then)
+        // would put a syscall between every two polls of the CQ. Every 16th turn is enough,
+        // and none when no request is in the kernel.
         r = 0;
+    else
+        r = io_uring_get_events(&ring_); // with DEFER_TASKRUN, completions need GETEVENTS
     if (r < 0 && r != -EINTR && r != -EBUSY && r != -EAGAIN && r != -ETIME)
         throw_system_error(-r, "io_uring_enter");
     reap();
@@ -331,9 +339,10 @@ std::size_t io_context::run_once(bool block) {
     } restore_on_exit{outer};
 
     drain_remote();
-    bool wait = block && ready_.empty() && pollers_ == nullptr && !stopped() &&
+    const bool spinning = pollers_ != nullptr;
+    bool wait = block && ready_.empty() && !spinning && !stopped() &&
                 remote_head_.load(std::memory_order_relaxed) == nullptr;
-    submit_and_reap(wait);
+    submit_and_reap(wait, spinning);
     drain_remote();
     run_pollers();
     std::size_t n = resume_ready();

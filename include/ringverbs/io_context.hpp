@@ -183,7 +183,7 @@ private:
     template <typename T>
     friend struct detail::root_promise;
 
-    void submit_and_reap(bool wait);
+    void submit_and_reap(bool wait, bool spinning);
     void enable_ring();
     void reap();
     std::size_t resume_ready();
@@ -200,7 +200,8 @@ private:
     int wake_fd_ = -1;
     bool shutting_down_ = false;
     bool reaping_ = false;
-    bool ring_disabled_ = false; // created disabled; enabled by the first thread that submits
+    bool ring_disabled_ = false;
+    unsigned spin_turns_ = 0; // created disabled; enabled by the first thread that submits
     std::size_t in_flight_ = 0;
     std::size_t background_ = 0;
     std::size_t waiting_ = 0;
