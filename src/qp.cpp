@@ -1,5 +1,7 @@
 #include <ringverbs/qp.hpp>
 
+#include <ringverbs/cm.hpp>
+
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -11,6 +13,13 @@ namespace detail {
 qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
                    std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps)
     : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(pd, send_cq->cq, recv_cq->cq, caps) {
+    send_cq->qps.push_back(this);
+    if (recv_cq != send_cq) recv_cq->qps.push_back(this);
+}
+
+qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
+                   verbs::queue_pair q)
+    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(std::move(q)) {
     send_cq->qps.push_back(this);
     if (recv_cq != send_cq) recv_cq->qps.push_back(this);
 }
@@ -251,6 +260,12 @@ ibv_wc wr_awaiter::await_resume() {
 
 qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps)
     : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, caps)) {}
+
+qp::qp(cm_id& id, const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
+       const verbs::qp_caps& caps)
+    : state_(std::make_shared<detail::qp_state>(
+          send_cq.state_, recv_cq.state_,
+          id.create_qp(pd, send_cq.state_->cq, recv_cq.state_->cq, caps))) {}
 
 qp::~qp() = default;
 

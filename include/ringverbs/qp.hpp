@@ -24,6 +24,8 @@
 
 namespace ringverbs {
 
+class cm_id;
+
 // Local memory a request reads or writes: a span inside a registered memory region.
 struct local_buffer {
     void* addr = nullptr;
@@ -167,6 +169,13 @@ class qp {
 public:
     // Throws std::system_error naming ibv_create_qp.
     qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {});
+    // The QP of a connection: created with rdma_create_qp on `id` (which moves it through its
+    // states on connect / accept_connection), destroyed with rdma_destroy_qp. `pd` and the cqs'
+    // channel must be on id.device() (librdmacm's ibv_context): otherwise EINVAL. The QP keeps
+    // the id's state alive; the cm_id handle may go first. Throws std::system_error naming
+    // rdma_create_qp.
+    qp(cm_id& id, const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
+       const verbs::qp_caps& caps = {});
     ~qp();
     qp(const qp&) = delete;
     qp& operator=(const qp&) = delete;

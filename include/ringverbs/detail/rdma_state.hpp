@@ -157,6 +157,8 @@ struct qp_state {
 
     qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
              std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps);
+    // A QP created elsewhere on these CQs (rdma_create_qp for a cm_id).
+    qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq, verbs::queue_pair q);
     ~qp_state();
     qp_state(const qp_state&) = delete;
     qp_state& operator=(const qp_state&) = delete;

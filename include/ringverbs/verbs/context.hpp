@@ -45,6 +45,11 @@ class context {
     // the device when no device has that name, or any error of device_list() or context(device).
     explicit context(std::string_view name);
 
+    // Shares a context opened by someone else, e.g. librdmacm's (rdma_create_qp requires the PD
+    // of the cm id's own ibv_context). `shared`'s deleter decides what closing means: for
+    // librdmacm it releases rdma_get_devices(), never ibv_close_device.
+    explicit context(std::shared_ptr<ibv_context> shared) noexcept : ctx_(std::move(shared)) {}
+
     // Drops this object's share; the object itself goes when its last holder does.
     ~context() = default;
     // Moving transfers ownership; the moved-from object is empty (operator bool is false) and

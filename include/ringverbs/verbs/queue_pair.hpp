@@ -78,6 +78,13 @@ class queue_pair {
     queue_pair(const protection_domain& pd, const completion_queue& send_cq,
                const completion_queue& recv_cq, const qp_caps& caps = {}, bool sq_sig_all = false);
 
+    // Adopts an RC QP created elsewhere (rdma_create_qp, whose QP must be destroyed with
+    // rdma_destroy_qp): `owned`'s deleter destroys it and holds whatever the QP needs alive (its
+    // PD, CQs, cm id). `granted` are the caps the creator wrote back. The QP may already be past
+    // RESET (rdma_cm moves it to INIT).
+    queue_pair(std::shared_ptr<ibv_qp> owned, const qp_caps& granted) noexcept
+        : qp_(std::move(owned)), caps_(granted) {}
+
     // Destroys the QP at once (nothing else holds it): work still queued is dropped without
     // completions. Then drops the shares of the PD and CQs.
     ~queue_pair() = default;
