@@ -13,10 +13,11 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
       solicited_only(solicited) {
     buffer.resize(static_cast<std::size_t>(cq.capacity()) + 1);
     channel->cqs.push_back(this);
+    channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass
     if (channel->options.mode != polling_mode::busy && !channel->spinning) {
         try {
             cq.req_notify(solicited_only);
-            armed = true;
+            set_armed(true);
             ++counters.arms;
             ++channel->counters.arms;
         } catch (...) {
@@ -27,6 +28,7 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
 }
 
 cq_state::~cq_state() {
+    set_armed(false);
     std::erase(channel->cqs, this);
     std::erase(channel->fired, this);
     // The verbs completion_queue acks every event still unacked before ibv_destroy_cq.
@@ -36,12 +38,19 @@ cq_state::~cq_state() {
 void cq_state::arm() noexcept {
     try {
         cq.req_notify(solicited_only);
-        armed = true;
+        set_armed(true);
         ++counters.arms;
     } catch (const std::system_error& e) {
         std::fprintf(stderr, "ringverbs: %s\n", e.what());
         fail_waiters(e.code().value());
     }
+}
+
+void cq_state::set_armed(bool on) noexcept {
+    if (on == armed) return;
+    armed = on;
+    if (on) ++channel->armed_cqs;
+    else --channel->armed_cqs;
 }
 
 void cq_state::dispatch(const ibv_wc& wc) noexcept {

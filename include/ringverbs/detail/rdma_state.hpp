@@ -105,6 +105,10 @@ struct channel_state {
     bool spinning = false;  // busy, or hybrid within its spin window
     std::chrono::steady_clock::time_point last_completion{};
     int next_vector = 0;
+    // CQs armed and not yet fired. Each raises at most one event per arm, so once this is 0
+    // no event can be pending and reading the fd again would only return EAGAIN.
+    std::size_t armed_cqs = 0;
+    std::uint32_t spin_turns = 0;
     std::vector<cq_state*> cqs; // attached CQs (raw: each removes itself)
     std::vector<cq_state*> fired; // CQs with an event this turn
     int error = 0;           // a failure of the fd poll: the channel is dead
@@ -144,6 +148,7 @@ struct cq_state {
     void deliver(const ibv_wc& wc) noexcept;
     bool pop(ibv_wc& out) noexcept;
     void arm() noexcept;
+    void set_armed(bool on) noexcept;
     void fail_waiters(int err) noexcept;
 };
 

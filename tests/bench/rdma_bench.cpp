@@ -1,0 +1,962 @@
+// rdma_bench: ringverbs over a real RDMA device, measured the way perftest measures, so that
+// tools/bench-rdma can put the two side by side in one VM boot.
+//
+//   rdma_bench lat  --mode events|busy|hybrid [options]   2-byte RC send/recv ping-pong
+//   rdma_bench rate --mode events|busy|hybrid [options]   one-way stream of sends, many in flight
+//   rdma_bench tsc                                          the TSC rate (MHz) it measures with
+//
+// Two processes, like perftest's server and client: the program makes a socketpair and forks;
+// each process opens the device itself, makes its own io_context, channel, CQ and RC QP, and
+// the two exchange QPN, PSN and GID over the socketpair and connect. The device is
+// $RINGVERBS_DEVICE (default rxe0), GID index $RINGVERBS_GID_INDEX (default 1), port 1.
+//
+// lat: the client stamps the TSC just before posting each ping and reports, like ib_send_lat,
+//   half the time between consecutive posts (a round trip / 2): median ("typical"), mean, min,
+//   p99. Pings and pongs are co_await q.send(); receives are pre-posted with the verbs call and
+//   taken with co_await cq.next() (--recv next, the default), or awaited one by one with
+//   co_await q.recv() by a receiver coroutine that hands each to the sender (--recv await). In
+//   events mode the CQ is armed solicited-only and messages go out solicited (--solicited 1,
+//   the default there): the send completion of a ping then raises no event of its own and is
+//   reaped by the wakeup the pong causes, one wakeup per round trip, as in ib_send_lat -e
+//   (which signals 1 send in 100). --send unsignaled posts the sends with the verbs call,
+//   unsignaled but 1 in 32, outside the runtime's per-request model, for comparison only;
+//   --raw 1 runs the same ping-pong with plain verbs and no runtime at all (busy or events),
+//   the floor of this harness.
+// rate: the client keeps --window sends in flight as post_send chains of --chain requests (the
+//   last one signaled: selective signaling), the server keeps --recv-depth receives posted as
+//   post_recv chains. Messages per second are counted at the sender between the completion of
+//   the warmup and the completion of the last message, like ib_send_bw's MsgRate.
+//
+// Both processes count global operator new calls (alloc_counter.hpp) and the channel's
+// counters, context switches and CPU time during the timed part only. The JSON on stdout has
+// them per side; the exit status is 3 when the timed part allocated anything, 1 on any other
+// failure (a side that waits longer than --timeout, default 120 s, is killed by SIGALRM).
+
+// GCC 12 sees a coroutine frame made by the replaced operator new and freed by the replaced
+// operator delete (malloc/free underneath) as mismatched once both are inlined: a false positive.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#include "alloc_counter.hpp"
+
+#include <ringverbs/channel.hpp>
+#include <ringverbs/cq.hpp>
+#include <ringverbs/io_context.hpp>
+#include <ringverbs/qp.hpp>
+#include <ringverbs/task.hpp>
+#include <ringverbs/verbs.hpp>
+#include <ringverbs/when_all.hpp>
+
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <x86intrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <coroutine>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace ringverbs;
+using namespace std::chrono_literals;
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+enum class test_kind { lat, rate };
+enum class recv_style { next, await };
+enum class send_style { await, unsignaled };
+
+struct config {
+    test_kind test = test_kind::lat;
+    polling_mode mode = polling_mode::events;
+    long iters = 2000;
+    long warmup = 200;
+    std::uint32_t size = 2;
+    bool inline_data = false; // perftest on rxe reports "Max inline data: 0[B]": it does not inline
+    int solicited = -1;       // -1: on for lat in events mode, off otherwise
+    recv_style recv = recv_style::next;
+    send_style send = send_style::await;
+    unsigned window = 128;     // rate: sends in flight
+    unsigned chain = 16;       // rate: requests per post_send / post_recv chain
+    unsigned recv_depth = 1024; // rate: receives posted at the server
+    long hybrid_spin_us = 50;
+    bool single_issuer = true; // io_context_options::single_issuer (DEFER_TASKRUN)
+    bool raw = false;          // lat: plain verbs, no runtime (the harness's floor)
+    unsigned timeout_s = 120;
+    unsigned ack_batch = 64;
+    unsigned poll_batch = 32;
+    std::string device = "rxe0";
+    std::uint32_t gid_index = 1;
+    std::uint8_t port = 1;
+};
+
+const char* mode_name(polling_mode m) {
+    switch (m) {
+    case polling_mode::events: return "events";
+    case polling_mode::busy: return "busy";
+    case polling_mode::hybrid: return "hybrid";
+    }
+    return "?";
+}
+
+[[noreturn]] void usage() {
+    std::fprintf(stderr,
+                 "usage: rdma_bench lat|rate [--mode events|busy|hybrid] [--iters N] [--warmup N]\n"
+                 "         [--size BYTES] [--inline 0|1] [--solicited 0|1] [--recv next|await]\n"
+                 "         [--send await|unsignaled]\n"
+                 "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
+                 "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
+                 "         [--ring defer|coop] [--raw 0|1] [--timeout SECONDS]\n");
+    std::exit(2);
+}
+
+config parse(int argc, char** argv) {
+    config c;
+    if (const char* d = std::getenv("RINGVERBS_DEVICE"); d && *d) c.device = d;
+    if (const char* g = std::getenv("RINGVERBS_GID_INDEX"); g && *g)
+        c.gid_index = static_cast<std::uint32_t>(std::stoul(g));
+    if (argc < 2) usage();
+    std::string_view t = argv[1];
+    if (t == "lat") c.test = test_kind::lat;
+    else if (t == "rate") {
+        c.test = test_kind::rate;
+        c.size = 64;
+        c.iters = 20000;
+        c.warmup = 2048;
+    } else usage();
+    for (int i = 2; i < argc; ++i) {
+        std::string_view a = argv[i];
+        if (i + 1 >= argc) usage();
+        std::string v = argv[++i];
+        auto num = [&] { return std::stol(v); };
+        if (a == "--mode") {
+            if (v == "events") c.mode = polling_mode::events;
+            else if (v == "busy") c.mode = polling_mode::busy;
+            else if (v == "hybrid") c.mode = polling_mode::hybrid;
+            else usage();
+        } else if (a == "--iters") c.iters = num();
+        else if (a == "--warmup") c.warmup = num();
+        else if (a == "--size") c.size = static_cast<std::uint32_t>(num());
+        else if (a == "--inline") c.inline_data = num() != 0;
+        else if (a == "--solicited") c.solicited = num() != 0;
+        else if (a == "--recv") {
+            if (v == "next") c.recv = recv_style::next;
+            else if (v == "await") c.recv = recv_style::await;
+            else usage();
+        } else if (a == "--send") {
+            if (v == "await") c.send = send_style::await;
+            else if (v == "unsignaled") c.send = send_style::unsignaled;
+            else usage();
+        } else if (a == "--window") c.window = static_cast<unsigned>(num());
+        else if (a == "--chain") c.chain = static_cast<unsigned>(num());
+        else if (a == "--recv-depth") c.recv_depth = static_cast<unsigned>(num());
+        else if (a == "--hybrid-spin-us") c.hybrid_spin_us = num();
+        else if (a == "--ack-batch") c.ack_batch = static_cast<unsigned>(num());
+        else if (a == "--poll-batch") c.poll_batch = static_cast<unsigned>(num());
+        else if (a == "--device") c.device = v;
+        else if (a == "--gid-index") c.gid_index = static_cast<std::uint32_t>(num());
+        else if (a == "--raw") c.raw = num() != 0;
+        else if (a == "--ring") {
+            if (v == "defer") c.single_issuer = true;
+            else if (v == "coop") c.single_issuer = false;
+            else usage();
+        } else if (a == "--timeout") c.timeout_s = static_cast<unsigned>(num());
+        else usage();
+    }
+    if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
+    if (c.send == send_style::unsignaled && c.recv != recv_style::next) usage();
+    if (c.raw && (c.test != test_kind::lat || c.mode == polling_mode::hybrid)) usage();
+    if (c.iters < 2 || c.warmup < 0 || c.size == 0 || c.size > 4096) usage();
+    if (c.test == test_kind::rate) {
+        if (c.chain == 0 || c.window < c.chain || c.window % c.chain || c.recv_depth < c.chain ||
+            c.recv_depth % c.chain)
+            usage();
+        // Whole chains only, at both ends.
+        c.iters = (c.iters + c.chain - 1) / c.chain * c.chain;
+        c.warmup = (c.warmup + c.chain - 1) / c.chain * c.chain;
+    }
+    return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Time: the TSC, as perftest does (the guest's clocksource is the emulated HPET, which makes
+// every clock_gettime a trap), calibrated against steady_clock once, before the fork.
+
+double tsc_per_us = 0;
+unsigned ring_flags = 0; // the io_uring setup flags the kernel granted (client)
+
+double calibrate_tsc() {
+    auto t0 = std::chrono::steady_clock::now();
+    std::uint64_t c0 = __rdtsc();
+    std::this_thread::sleep_for(200ms);
+    auto t1 = std::chrono::steady_clock::now();
+    std::uint64_t c1 = __rdtsc();
+    double us = std::chrono::duration<double, std::micro>(t1 - t0).count();
+    return static_cast<double>(c1 - c0) / us;
+}
+
+// What one steady_clock::now() costs here (hybrid mode reads the clock every spin turn).
+double clock_now_ns() {
+    constexpr int n = 2000;
+    std::uint64_t c0 = __rdtsc();
+    for (int i = 0; i < n; ++i) {
+        auto t = std::chrono::steady_clock::now();
+        asm volatile("" : : "r"(&t) : "memory");
+    }
+    return static_cast<double>(__rdtsc() - c0) / tsc_per_us * 1000.0 / n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The socketpair between the two processes.
+
+void write_all(int fd, const void* p, std::size_t n) {
+    auto* b = static_cast<const char*>(p);
+    while (n > 0) {
+        ssize_t r = ::write(fd, b, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) throw std::runtime_error("socketpair write failed");
+        b += r;
+        n -= static_cast<std::size_t>(r);
+    }
+}
+
+void read_all(int fd, void* p, std::size_t n) {
+    auto* b = static_cast<char*>(p);
+    while (n > 0) {
+        ssize_t r = ::read(fd, b, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) throw std::runtime_error("socketpair read failed (peer gone)");
+        b += r;
+        n -= static_cast<std::size_t>(r);
+    }
+}
+
+struct wire_endpoint {
+    std::uint32_t qpn;
+    std::uint32_t psn;
+    ibv_gid gid;
+};
+
+// What each side measured in its timed part.
+struct side_stats {
+    std::uint64_t allocations = 0;
+    std::uint64_t messages = 0;
+    double seconds = 0;
+    channel_counters ch{};
+    std::uint64_t vcsw = 0;  // voluntary context switches (sleeps)
+    std::uint64_t ivcsw = 0; // involuntary ones (preemption)
+    double cpu_us = 0;       // user + system CPU time of the process
+    char error[160] = {};
+};
+
+// A window over the timed part: allocations, channel counters, context switches.
+struct window {
+    const channel* ch = nullptr;
+    std::uint64_t a0 = 0, c0 = 0, c1 = 0;
+    channel_counters k0{};
+    rusage r0{};
+    bool open = false, closed = false;
+    side_stats* out = nullptr;
+
+    void begin() {
+        if (open) return;
+        open = true;
+        getrusage(RUSAGE_SELF, &r0);
+        if (ch) k0 = ch->counters();
+        c0 = __rdtsc();
+        a0 = bench::allocations.load(std::memory_order_relaxed);
+    }
+    void end(std::uint64_t messages) {
+        if (closed) return;
+        closed = true;
+        std::uint64_t a1 = bench::allocations.load(std::memory_order_relaxed);
+        c1 = __rdtsc();
+        const channel_counters k = ch ? ch->counters() : channel_counters{};
+        rusage r1{};
+        getrusage(RUSAGE_SELF, &r1);
+        out->allocations = a1 - a0;
+        out->messages = messages;
+        out->seconds = static_cast<double>(c1 - c0) / tsc_per_us / 1e6;
+        out->ch.wakeups = k.wakeups - k0.wakeups;
+        out->ch.events = k.events - k0.events;
+        out->ch.acks = k.acks - k0.acks;
+        out->ch.arms = k.arms - k0.arms;
+        out->ch.polls = k.polls - k0.polls;
+        out->ch.empty_polls = k.empty_polls - k0.empty_polls;
+        out->ch.completions = k.completions - k0.completions;
+        out->vcsw = static_cast<std::uint64_t>(r1.ru_nvcsw - r0.ru_nvcsw);
+        out->ivcsw = static_cast<std::uint64_t>(r1.ru_nivcsw - r0.ru_nivcsw);
+        auto us = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_usec); };
+        out->cpu_us = us(r1.ru_utime) - us(r0.ru_utime) + us(r1.ru_stime) - us(r0.ru_stime);
+    }
+};
+
+// A registered buffer.
+struct region {
+    std::vector<std::byte> bytes;
+    verbs::memory_region mr;
+    region(const verbs::protection_domain& pd, std::size_t n)
+        : bytes(n), mr(pd, bytes, verbs::access::local_write) {}
+    local_buffer at(std::size_t off, std::size_t len) {
+        return local_buffer(mr, std::span(bytes).subspan(off, len));
+    }
+};
+
+// One coroutine waits, another signals (--recv await): counts signals nobody waited for yet.
+// Resumes the waiter through io_context::ready(), like the runtime's own awaitables.
+struct handoff {
+    io_context* io;
+    std::coroutine_handle<> waiter;
+    long pending = 0;
+    void signal() {
+        if (waiter) io->ready(std::exchange(waiter, {}));
+        else ++pending;
+    }
+    auto wait() noexcept {
+        struct awaiter {
+            handoff& h;
+            bool await_ready() noexcept {
+                if (h.pending == 0) return false;
+                --h.pending;
+                return true;
+            }
+            void await_suspend(std::coroutine_handle<> c) noexcept { h.waiter = c; }
+            void await_resume() noexcept {}
+        };
+        return awaiter{*this};
+    }
+};
+
+void check(const ibv_wc& wc, const char* what) {
+    if (wc.status != IBV_WC_SUCCESS)
+        throw std::runtime_error(std::string(what) + ": " + ibv_wc_status_str(wc.status));
+}
+
+// INIT -> RTR -> RTS against the other process's QP, whose QPN, PSN and GID come over the
+// socketpair.
+void connect_qp(verbs::queue_pair& qp, const verbs::context& dev, const config& cfg, int sock) {
+    ibv_port_attr pa = dev.query_port(cfg.port);
+    ibv_gid_entry ge = dev.query_gid(cfg.port, cfg.gid_index);
+    std::uint32_t psn = (static_cast<std::uint32_t>(::getpid()) * 2654435761u) & 0xffffff;
+    qp.to_init(cfg.port);
+    wire_endpoint me{qp.qp_num(), psn, ge.gid}, peer{};
+    write_all(sock, &me, sizeof me);
+    read_all(sock, &peer, sizeof peer);
+    verbs::rtr_params rtr;
+    rtr.port = cfg.port;
+    rtr.remote_qpn = peer.qpn;
+    rtr.remote_psn = peer.psn;
+    rtr.remote_gid = peer.gid;
+    rtr.sgid_index = static_cast<std::uint8_t>(cfg.gid_index);
+    rtr.mtu = pa.active_mtu;
+    qp.to_rtr(rtr);
+    verbs::rts_params rts;
+    rts.sq_psn = psn;
+    qp.to_rts(rts);
+}
+
+// Both processes past this point (receives posted, QPs in RTS).
+void sync_with_peer(int sock) {
+    char b = 'b';
+    write_all(sock, &b, 1);
+    read_all(sock, &b, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One process: device, runtime objects, connection, then the test.
+
+struct side {
+    const config& cfg;
+    bool client;
+    int sock;
+    verbs::context dev;
+    verbs::protection_domain pd;
+    io_context io;
+    channel ch;
+    cq c;
+    qp q;
+    side_stats stats;
+    window win;
+
+    side(const config& k, bool is_client, int s)
+        : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev),
+          io(io_context_options{.sq_entries = 256, .cq_entries = 4096,
+                                .single_issuer = k.single_issuer}),
+          ch(io, dev,
+             channel_options{.priority = 0,
+                             .mode = k.mode,
+                             .hybrid_spin = std::chrono::microseconds(k.hybrid_spin_us),
+                             .ack_batch = k.ack_batch,
+                             .poll_batch = k.poll_batch}),
+          c(ch, cq_options{.entries = k.test == test_kind::rate
+                                          ? static_cast<int>(std::max(k.window, k.recv_depth)) * 2
+                                          : 256,
+                           .comp_vector = -1,
+                           .solicited_only = k.solicited != 0}),
+          q(pd, c, c,
+            verbs::qp_caps{.max_send_wr = k.test == test_kind::rate ? k.window + 16 : 64,
+                           .max_recv_wr = k.test == test_kind::rate ? k.recv_depth + 16 : 64,
+                           .max_send_sge = 1,
+                           .max_recv_sge = 1,
+                           .max_inline_data = k.inline_data ? std::max<std::uint32_t>(k.size, 64) : 0}) {
+        win.ch = &ch;
+        win.out = &stats;
+    }
+
+    void connect() { connect_qp(q.native_qp(), dev, cfg, sock); }
+
+    void barrier() { sync_with_peer(sock); }
+
+    // --- lat ---------------------------------------------------------------------------------
+
+    static constexpr unsigned lat_slots = 16;
+
+    struct lat_state {
+        region sbuf;
+        region rbuf;
+        ibv_sge rsge[lat_slots]{};
+        ibv_recv_wr rwr[lat_slots]{};
+        std::vector<std::uint64_t> stamps;
+        handoff h;
+        lat_state(side& s)
+            : sbuf(s.pd, std::max<std::size_t>(s.cfg.size, 64)),
+              rbuf(s.pd, std::max<std::size_t>(s.cfg.size, 64) * lat_slots),
+              stamps(static_cast<std::size_t>(s.cfg.warmup + s.cfg.iters + 1)), h{&s.io, {}, 0} {
+            std::memset(sbuf.bytes.data(), s.client ? 'p' : 'P', sbuf.bytes.size());
+            const std::size_t stride = std::max<std::size_t>(s.cfg.size, 64);
+            for (unsigned i = 0; i < lat_slots; ++i) {
+                local_buffer b = rbuf.at(i * stride, stride);
+                rsge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+                rwr[i].wr_id = i; // untagged: the completion goes to cq::next()
+                rwr[i].sg_list = &rsge[i];
+                rwr[i].num_sge = 1;
+            }
+        }
+    };
+
+    local_buffer lat_payload(lat_state& ls) {
+        return cfg.inline_data ? local_buffer::inline_data(std::span<const std::byte>(
+                                     ls.sbuf.bytes.data(), cfg.size))
+                               : ls.sbuf.at(0, cfg.size);
+    }
+    send_options lat_send_options() const {
+        return send_options{.imm = {}, .inline_data = cfg.inline_data,
+                            .solicited = cfg.solicited != 0, .fence = false};
+    }
+
+    // The client's last message: unsignaled (no completion to wait for, so nothing is left
+    // pending whatever the arming), posted with the verbs call. It lets the server's last pong
+    // complete in solicited-only mode, where only a solicited receive raises an event.
+    void post_fin(lat_state& ls) {
+        ibv_sge sge{reinterpret_cast<std::uintptr_t>(ls.sbuf.bytes.data()), cfg.size,
+                    ls.sbuf.mr.lkey()};
+        ibv_send_wr wr{};
+        wr.wr_id = 0;
+        wr.sg_list = &sge;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_SEND;
+        wr.send_flags = IBV_SEND_SOLICITED;
+        q.native_qp().post_send(wr);
+    }
+
+    // --send unsignaled (for comparison only: what perftest does, outside the runtime's
+    // per-request model): the send is posted with the verbs call, unsignaled but for one in
+    // 32 (to free send queue slots), and nobody awaits it; its rare completion is skipped by
+    // the cq.next() consumer.
+    static constexpr std::uint64_t raw_send_id = 0xffffffffu;
+    long raw_sends = 0;
+    ibv_sge raw_sge{};
+    ibv_send_wr raw_wr{};
+    void post_raw_send(lat_state& ls) {
+        raw_sge = {reinterpret_cast<std::uintptr_t>(ls.sbuf.bytes.data()), cfg.size, ls.sbuf.mr.lkey()};
+        raw_wr = {};
+        raw_wr.wr_id = raw_send_id;
+        raw_wr.sg_list = &raw_sge;
+        raw_wr.num_sge = 1;
+        raw_wr.opcode = IBV_WR_SEND;
+        raw_wr.send_flags = (cfg.solicited ? IBV_SEND_SOLICITED : 0) |
+                            (cfg.inline_data ? IBV_SEND_INLINE : 0) |
+                            (++raw_sends % 32 == 0 ? IBV_SEND_SIGNALED : 0);
+        q.native_qp().post_send(raw_wr);
+    }
+    // Whether `wc` is the completion of a raw send (to skip).
+    static bool raw_send_done(const ibv_wc& wc) {
+        if (wc.wr_id != raw_send_id) return false;
+        check(wc, "raw send");
+        return true;
+    }
+
+    // --recv next: receives are posted with the verbs call, their completions (untagged
+    // wr_ids) taken with co_await cq.next().
+    task<void> lat_client_next(lat_state& ls) {
+        const long total = cfg.warmup + cfg.iters;
+        const local_buffer payload = lat_payload(ls);
+        const send_options so = lat_send_options();
+        for (long i = 0; i < total; ++i) {
+            if (i == cfg.warmup) win.begin();
+            ls.stamps[static_cast<std::size_t>(i)] = __rdtsc();
+            ibv_wc wc;
+            if (cfg.send == send_style::await) {
+                check(co_await q.send(payload, so), "ping send");
+                wc = co_await c.next();
+            } else {
+                post_raw_send(ls);
+                do wc = co_await c.next();
+                while (raw_send_done(wc));
+            }
+            check(wc, "pong recv");
+            q.native_qp().post_recv(ls.rwr[wc.wr_id]);
+        }
+        ls.stamps[static_cast<std::size_t>(total)] = __rdtsc();
+        win.end(static_cast<std::uint64_t>(cfg.iters));
+        post_fin(ls);
+    }
+
+    task<void> lat_server_next(lat_state& ls) {
+        const long total = cfg.warmup + cfg.iters;
+        const local_buffer payload = lat_payload(ls);
+        const send_options so = lat_send_options();
+        for (long i = 0; i < total; ++i) {
+            if (i == cfg.warmup) win.begin();
+            ibv_wc wc;
+            do wc = co_await c.next();
+            while (raw_send_done(wc));
+            check(wc, "ping recv");
+            q.native_qp().post_recv(ls.rwr[wc.wr_id]);
+            if (cfg.send == send_style::await) check(co_await q.send(payload, so), "pong send");
+            else post_raw_send(ls);
+        }
+        win.end(static_cast<std::uint64_t>(cfg.iters));
+        ibv_wc fin;
+        do fin = co_await c.next();
+        while (raw_send_done(fin));
+        check(fin, "fin recv");
+    }
+
+    // --recv await: one coroutine per side awaits every receive with co_await q.recv() (one
+    // posted at a time: the peer cannot send the next message before this side answered,
+    // and the receiver re-posts before the answer goes out), and hands it to the sender.
+    task<void> lat_receiver(lat_state& ls, long count) {
+        const std::size_t stride = std::max<std::size_t>(cfg.size, 64);
+        for (long i = 0; i < count; ++i) {
+            check(co_await q.recv(ls.rbuf.at(0, stride)), "recv");
+            ls.h.signal();
+        }
+    }
+
+    task<void> lat_client_await_sender(lat_state& ls) {
+        const long total = cfg.warmup + cfg.iters;
+        const local_buffer payload = lat_payload(ls);
+        const send_options so = lat_send_options();
+        for (long i = 0; i < total; ++i) {
+            if (i == cfg.warmup) win.begin();
+            ls.stamps[static_cast<std::size_t>(i)] = __rdtsc();
+            check(co_await q.send(payload, so), "ping send");
+            co_await ls.h.wait();
+        }
+        ls.stamps[static_cast<std::size_t>(total)] = __rdtsc();
+        win.end(static_cast<std::uint64_t>(cfg.iters));
+        post_fin(ls);
+    }
+
+    task<void> lat_server_await_sender(lat_state& ls) {
+        const long total = cfg.warmup + cfg.iters;
+        const local_buffer payload = lat_payload(ls);
+        const send_options so = lat_send_options();
+        for (long i = 0; i < total; ++i) {
+            if (i == cfg.warmup) win.begin();
+            co_await ls.h.wait();
+            check(co_await q.send(payload, so), "pong send");
+        }
+        win.end(static_cast<std::uint64_t>(cfg.iters));
+    }
+
+    task<void> gate() {
+        barrier(); // runs once the tasks started before it have posted their receives
+        co_return;
+    }
+
+    void run_lat(std::vector<double>& half_rtt_us) {
+        lat_state ls(*this);
+        const long total = cfg.warmup + cfg.iters;
+        connect();
+        if (cfg.recv == recv_style::next) {
+            for (auto& w : ls.rwr) q.native_qp().post_recv(w); // INIT or later: after connect()
+            barrier();
+            io.run(client ? lat_client_next(ls) : lat_server_next(ls));
+        } else if (client) {
+            barrier(); // the server's receiver posted before its barrier
+            io.run(when_all(lat_receiver(ls, total), lat_client_await_sender(ls)));
+        } else {
+            io.run(when_all(lat_receiver(ls, total + 1), gate(), lat_server_await_sender(ls)));
+        }
+        if (client) {
+            half_rtt_us.reserve(static_cast<std::size_t>(cfg.iters));
+            for (long i = cfg.warmup; i < total; ++i) {
+                auto d = ls.stamps[static_cast<std::size_t>(i + 1)] - ls.stamps[static_cast<std::size_t>(i)];
+                half_rtt_us.push_back(static_cast<double>(d) / tsc_per_us / 2.0);
+            }
+        }
+    }
+
+    // --- rate --------------------------------------------------------------------------------
+
+    struct rate_chain {
+        std::vector<ibv_send_wr> swr;
+        std::vector<ibv_recv_wr> rwr;
+        std::vector<ibv_sge> sge;
+    };
+
+    struct rate_state {
+        region buf;
+        std::vector<rate_chain> chains;
+        long claimed = 0; // messages whose chain was posted (or is about to be)
+        long done = 0;    // messages whose chain completed
+    };
+
+    task<void> rate_sender(rate_state& rs, rate_chain& ch) {
+        const long total = cfg.warmup + cfg.iters;
+        while (rs.claimed < total) {
+            rs.claimed += cfg.chain;
+            check(co_await q.post_send(ch.swr[0]), "send chain");
+            rs.done += cfg.chain;
+            if (rs.done >= cfg.warmup) win.begin();
+            if (rs.done >= total) win.end(static_cast<std::uint64_t>(cfg.iters));
+        }
+    }
+
+    task<void> rate_receiver(rate_state& rs, rate_chain& ch) {
+        const long total = cfg.warmup + cfg.iters;
+        while (rs.claimed < total) {
+            rs.claimed += cfg.chain;
+            check(co_await q.post_recv(ch.rwr[0]), "recv chain");
+            rs.done += cfg.chain;
+            if (rs.done >= cfg.warmup) win.begin();
+            if (rs.done >= total) win.end(static_cast<std::uint64_t>(cfg.iters));
+        }
+    }
+
+    void run_rate() {
+        const unsigned k = cfg.chain;
+        const unsigned n = client ? cfg.window / k : cfg.recv_depth / k;
+        rate_state rs{region(pd, std::max<std::size_t>(cfg.size, 64)), std::vector<rate_chain>(n)};
+        std::memset(rs.buf.bytes.data(), 's', rs.buf.bytes.size());
+        const ibv_sge one{reinterpret_cast<std::uintptr_t>(rs.buf.bytes.data()), cfg.size,
+                          rs.buf.mr.lkey()};
+        for (rate_chain& ch : rs.chains) {
+            ch.sge.assign(k, one);
+            if (client) {
+                ch.swr.assign(k, ibv_send_wr{});
+                for (unsigned i = 0; i < k; ++i) {
+                    ch.swr[i].sg_list = &ch.sge[i];
+                    ch.swr[i].num_sge = 1;
+                    ch.swr[i].opcode = IBV_WR_SEND;
+                    ch.swr[i].send_flags = cfg.inline_data ? IBV_SEND_INLINE : 0; // unsignaled
+                    ch.swr[i].next = i + 1 < k ? &ch.swr[i + 1] : nullptr;
+                }
+            } else {
+                ch.rwr.assign(k, ibv_recv_wr{});
+                for (unsigned i = 0; i < k; ++i) {
+                    ch.rwr[i].sg_list = &ch.sge[i];
+                    ch.rwr[i].num_sge = 1;
+                    ch.rwr[i].next = i + 1 < k ? &ch.rwr[i + 1] : nullptr;
+                }
+            }
+        }
+        std::vector<task<void>> tasks;
+        tasks.reserve(n);
+        for (rate_chain& ch : rs.chains) tasks.push_back(client ? rate_sender(rs, ch) : rate_receiver(rs, ch));
+        connect();
+        if (client) {
+            barrier(); // the server's receives are posted (its barrier follows them)
+            io.run(when_all(std::move(tasks)));
+        } else {
+            // when_all starts its tasks in order, each up to its first suspension: every
+            // receiver has posted its chain before gate() tells the client to start.
+            io.run(when_all(when_all(std::move(tasks)), gate()));
+        }
+    }
+};
+
+// --raw: the same ping-pong with plain verbs and no runtime, written like ib_send_lat's loop:
+// unsignaled sends (1 in 32 signaled, to free send queue slots), receives re-posted as they
+// complete; busy: ibv_poll_cq until something comes; events: a blocking ibv_get_cq_event, ack,
+// re-arm, poll. The floor of this harness, to tell the runtime's cost from everything else.
+struct raw_side {
+    static constexpr unsigned slots = 16;
+    static constexpr std::uint64_t send_id = 0xffffffffu;
+    const config& cfg;
+    bool client;
+    int sock;
+    verbs::context dev;
+    verbs::protection_domain pd;
+    verbs::completion_channel chan;
+    verbs::completion_queue cq;
+    verbs::queue_pair qp;
+    region sbuf;
+    region rbuf;
+    ibv_sge rsge[slots]{};
+    ibv_recv_wr rwr[slots]{};
+    ibv_sge ssge{};
+    ibv_send_wr swr{};
+    long sends = 0;
+    std::vector<std::uint64_t> stamps;
+    side_stats stats;
+    window win;
+    bool events;
+
+    raw_side(const config& k, bool is_client, int s)
+        : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev), chan(dev),
+          cq(dev, 256, &chan, 0, nullptr),
+          qp(pd, cq, cq,
+             verbs::qp_caps{.max_send_wr = 128, .max_recv_wr = 64, .max_send_sge = 1, .max_recv_sge = 1,
+                            .max_inline_data = k.inline_data ? std::max<std::uint32_t>(k.size, 64) : 0}),
+          sbuf(pd, std::max<std::size_t>(k.size, 64)),
+          rbuf(pd, std::max<std::size_t>(k.size, 64) * slots),
+          stamps(static_cast<std::size_t>(k.warmup + k.iters + 1)),
+          events(k.mode == polling_mode::events) {
+        win.out = &stats;
+        const std::size_t stride = std::max<std::size_t>(k.size, 64);
+        for (unsigned i = 0; i < slots; ++i) {
+            local_buffer b = rbuf.at(i * stride, stride);
+            rsge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+            rwr[i].wr_id = i;
+            rwr[i].sg_list = &rsge[i];
+            rwr[i].num_sge = 1;
+        }
+        ssge = {reinterpret_cast<std::uintptr_t>(sbuf.bytes.data()), k.size, sbuf.mr.lkey()};
+        swr.wr_id = send_id;
+        swr.sg_list = &ssge;
+        swr.num_sge = 1;
+        swr.opcode = IBV_WR_SEND;
+        if (events) {
+            // A blocking read, like perftest (the wrapper made the fd non-blocking).
+            int fl = ::fcntl(chan.fd(), F_GETFL);
+            ::fcntl(chan.fd(), F_SETFL, fl & ~O_NONBLOCK);
+            cq.req_notify(cfg.solicited != 0);
+        }
+    }
+
+    void post_send(bool fin = false) {
+        swr.send_flags = (cfg.solicited ? IBV_SEND_SOLICITED : 0) |
+                         (cfg.inline_data ? IBV_SEND_INLINE : 0) |
+                         (!fin && ++sends % 32 == 0 ? IBV_SEND_SIGNALED : 0);
+        qp.post_send(swr);
+    }
+
+    // The next receive completion; send completions on the way are checked and dropped.
+    ibv_wc wait_recv() {
+        for (;;) {
+            if (events) {
+                ibv_cq* ev_cq = nullptr;
+                void* ev_ctx = nullptr;
+                if (ibv_get_cq_event(chan.native(), &ev_cq, &ev_ctx) != 0)
+                    throw std::runtime_error("ibv_get_cq_event failed");
+                ibv_ack_cq_events(ev_cq, 1);
+                cq.req_notify(cfg.solicited != 0);
+            }
+            ibv_wc wc[4];
+            int n;
+            do n = ibv_poll_cq(cq.native(), 4, wc);
+            while (n == 0 && !events);
+            if (n < 0) throw std::runtime_error("ibv_poll_cq failed");
+            ibv_wc got{};
+            bool have = false;
+            for (int i = 0; i < n; ++i) {
+                check(wc[i], "raw completion");
+                if (wc[i].wr_id == send_id) continue;
+                got = wc[i];
+                have = true;
+            }
+            if (have) return got;
+        }
+    }
+
+    void run(std::vector<double>& half_rtt_us) {
+        const long total = cfg.warmup + cfg.iters;
+        connect_qp(qp, dev, cfg, sock);
+        for (auto& w : rwr) qp.post_recv(w);
+        sync_with_peer(sock);
+        if (client) {
+            for (long i = 0; i < total; ++i) {
+                if (i == cfg.warmup) win.begin();
+                stamps[static_cast<std::size_t>(i)] = __rdtsc();
+                post_send();
+                ibv_wc wc = wait_recv();
+                qp.post_recv(rwr[wc.wr_id]);
+            }
+            stamps[static_cast<std::size_t>(total)] = __rdtsc();
+            win.end(static_cast<std::uint64_t>(cfg.iters));
+            post_send(true);
+            half_rtt_us.reserve(static_cast<std::size_t>(cfg.iters));
+            for (long i = cfg.warmup; i < total; ++i)
+                half_rtt_us.push_back(static_cast<double>(stamps[static_cast<std::size_t>(i + 1)] -
+                                                          stamps[static_cast<std::size_t>(i)]) /
+                                      tsc_per_us / 2.0);
+        } else {
+            for (long i = 0; i < total; ++i) {
+                if (i == cfg.warmup) win.begin();
+                ibv_wc wc = wait_recv();
+                qp.post_recv(rwr[wc.wr_id]);
+                post_send();
+            }
+            win.end(static_cast<std::uint64_t>(cfg.iters));
+            wait_recv(); // fin
+        }
+    }
+};
+
+double percentile(std::vector<double> v, double p) {
+    std::sort(v.begin(), v.end());
+    if (v.empty()) return 0;
+    // perftest's "typical" is the plain median of the sorted deltas.
+    std::size_t i = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
+    return v[std::min(i, v.size() - 1)];
+}
+
+void print_counters(const char* name, const side_stats& s, bool last) {
+    std::printf("  \"%s\": {\"allocations\": %" PRIu64 ", \"messages\": %" PRIu64
+                ", \"seconds\": %.6f, \"wakeups\": %" PRIu64 ", \"events\": %" PRIu64
+                ", \"acks\": %" PRIu64 ", \"arms\": %" PRIu64 ", \"polls\": %" PRIu64
+                ", \"empty_polls\": %" PRIu64 ", \"completions\": %" PRIu64
+                ", \"voluntary_ctx_switches\": %" PRIu64 ", \"involuntary_ctx_switches\": %" PRIu64
+                ", \"cpu_us_per_message\": %.3f}%s\n",
+                name, s.allocations, s.messages, s.seconds, s.ch.wakeups, s.ch.events, s.ch.acks,
+                s.ch.arms, s.ch.polls, s.ch.empty_polls, s.ch.completions, s.vcsw, s.ivcsw,
+                s.messages ? s.cpu_us / static_cast<double>(s.messages) : 0.0, last ? "" : ",");
+}
+
+// Runs one side. The server hands its stats to the client before either tears its QP down
+// (the client's last message must reach the server before the client's QP goes).
+int run_process(const config& cfg, bool client, int sock, std::vector<double>& samples,
+                side_stats& mine, side_stats& server) {
+    try {
+        if (cfg.raw) {
+            raw_side s(cfg, client, sock);
+            s.run(samples);
+            mine = s.stats;
+        } else {
+            side s(cfg, client, sock);
+            ring_flags = s.io.setup_flags();
+            if (cfg.test == test_kind::lat) s.run_lat(samples);
+            else s.run_rate();
+            mine = s.stats;
+        }
+        if (client) read_all(sock, &server, sizeof server);
+        else write_all(sock, &mine, sizeof mine);
+        return 0;
+    } catch (const std::exception& e) {
+        std::snprintf(mine.error, sizeof mine.error, "%s: %s", client ? "client" : "server", e.what());
+        std::fprintf(stderr, "rdma_bench: %s\n", mine.error);
+        ::shutdown(sock, SHUT_RDWR); // unblocks the peer if it waits on the socketpair
+        return 1;
+    }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+    // rdma_bench tsc: the TSC rate in MHz, to turn perftest's cycle counts (-C) into
+    // microseconds with the same clock this program measures with.
+    if (argc == 2 && std::string_view(argv[1]) == "tsc") {
+        tsc_per_us = calibrate_tsc();
+        std::printf("%.3f\n", tsc_per_us);
+        return 0;
+    }
+    config cfg = parse(argc, argv);
+    tsc_per_us = calibrate_tsc();
+    const double now_ns = clock_now_ns();
+
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+        std::perror("socketpair");
+        return 1;
+    }
+    std::fflush(stdout);
+    pid_t pid = ::fork();
+    if (pid < 0) {
+        std::perror("fork");
+        return 1;
+    }
+    // A side that waits for a message that never comes (the peer died) must not hang the run.
+    ::alarm(cfg.timeout_s);
+    if (pid == 0) { // the server
+        ::close(sv[0]);
+        std::vector<double> none;
+        side_stats st, unused;
+        int rc = run_process(cfg, false, sv[1], none, st, unused);
+        std::fflush(nullptr);
+        ::_exit(rc);
+    }
+    ::close(sv[1]);
+    std::vector<double> samples;
+    side_stats cst, sst;
+    int rc = run_process(cfg, true, sv[0], samples, cst, sst);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+    if (rc != 0) {
+        std::fprintf(stderr, "rdma_bench: %s %s failed\n",
+                     cfg.test == test_kind::lat ? "lat" : "rate", mode_name(cfg.mode));
+        return 1;
+    }
+
+    const std::uint64_t allocs = cst.allocations + sst.allocations;
+    const double per_msg = static_cast<double>(allocs) / static_cast<double>(cfg.iters);
+    std::printf("{\n");
+    std::printf("  \"test\": \"%s\",\n  \"mode\": \"%s\",\n",
+                cfg.test == test_kind::lat ? "lat" : "rate", mode_name(cfg.mode));
+    std::printf("  \"bytes\": %u,\n  \"iters\": %ld,\n  \"warmup\": %ld,\n  \"inline\": %s,\n",
+                cfg.size, cfg.iters, cfg.warmup, cfg.inline_data ? "true" : "false");
+    std::printf("  \"solicited\": %s,\n", cfg.solicited ? "true" : "false");
+    if (cfg.test == test_kind::lat) {
+        std::printf("  \"raw\": %s,\n", cfg.raw ? "true" : "false");
+        std::printf("  \"recv\": \"%s\",\n  \"send\": \"%s\",\n",
+                    cfg.recv == recv_style::next ? "next" : "await",
+                    cfg.send == send_style::await ? "await" : "unsignaled");
+        double sum = 0;
+        for (double x : samples) sum += x;
+        std::printf("  \"unit\": \"us, half a round trip (as ib_send_lat)\",\n");
+        std::printf("  \"typical_us\": %.3f,\n  \"avg_us\": %.3f,\n  \"min_us\": %.3f,\n",
+                    percentile(samples, 0.5), sum / static_cast<double>(samples.size()),
+                    percentile(samples, 0.0));
+        std::printf("  \"p99_us\": %.3f,\n  \"p999_us\": %.3f,\n", percentile(samples, 0.99),
+                    percentile(samples, 0.999));
+    } else {
+        const double mpps = static_cast<double>(cst.messages) / cst.seconds / 1e6;
+        std::printf("  \"window\": %u,\n  \"chain\": %u,\n  \"recv_depth\": %u,\n", cfg.window,
+                    cfg.chain, cfg.recv_depth);
+        std::printf("  \"mpps\": %.6f,\n  \"MBps\": %.4f,\n  \"receiver_mpps\": %.6f,\n", mpps,
+                    mpps * 1e6 * cfg.size / 1048576.0,
+                    static_cast<double>(sst.messages) / sst.seconds / 1e6);
+    }
+    if (cfg.mode == polling_mode::hybrid)
+        std::printf("  \"hybrid_spin_us\": %ld,\n", cfg.hybrid_spin_us);
+    std::printf("  \"ring_setup_flags\": \"0x%x\",\n", ring_flags);
+    std::printf("  \"tsc_mhz\": %.1f,\n  \"steady_clock_now_ns\": %.1f,\n", tsc_per_us, now_ns);
+    std::printf("  \"allocations\": %" PRIu64 ",\n  \"allocations_per_message\": %.6f,\n", allocs,
+                per_msg);
+    print_counters("client", cst, false);
+    print_counters("server", sst, true);
+    std::printf("}\n");
+    if (allocs != 0) {
+        std::fprintf(stderr, "rdma_bench: the timed part allocated %" PRIu64
+                             " times (%.4f per message): the hot path must not allocate\n",
+                     allocs, per_msg);
+        return 3;
+    }
+    return 0;
+}
