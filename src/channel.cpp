@@ -9,87 +9,32 @@ namespace ringverbs {
 
 namespace detail {
 
-namespace {
-
-void watch_cqe(operation* op, int res, unsigned flags) noexcept {
-    auto* w = static_cast<channel_watch*>(op);
-    const bool final_cqe = !(flags & IORING_CQE_F_MORE);
-    if (final_cqe) {
-        w->in_flight = false;
-        w->ctx->finish_background();
-    }
-    channel_state* ch = w->owner;
-    if (ch == nullptr) { // orphaned: the channel is gone, the fd closes with us
-        if (final_cqe) delete w;
-        return;
-    }
-    if (res >= 0) {
-        ++ch->counters.wakeups;
-        ch->fd_ready = true;
-        ch->ctx->queue_poller(&ch->service);
-    } else if (res != -ECANCELED) {
-        ch->fail(-res);
-        return;
-    }
-    if (final_cqe && !w->ctx->shutting_down() && ch->error == 0) {
-        try {
-            ch->arm_watch();
-            ++w->rearms;
-        } catch (const std::system_error& e) {
-            ch->fail(e.code().value());
-        }
-    }
-}
-
-} // namespace
 
 channel_state::channel_state(io_context& c, const verbs::context& dev, channel_options_data o)
     : ctx(&c), channel(dev), device(&dev), options(o) {
     service.owner = this;
     service.priority = options.priority;
     service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
-    watch = new channel_watch;
-    watch->on_cqe = &watch_cqe;
-    watch->ctx = ctx;
-    watch->keep_open = channel.handle();
-    watch->owner = this;
     if (options.mode == polling_mode::busy) {
-        spinning = true;
+        spinning = true; // never armed: no fd to watch
         ctx->queue_poller(&service);
-    } else {
-        try {
-            arm_watch();
-        } catch (...) {
-            delete watch;
-            throw;
-        }
+        return;
     }
+    watch = fd_watch::start(
+        *ctx, channel.fd(), channel.handle(), this,
+        [](void* self) noexcept {
+            auto* ch = static_cast<channel_state*>(self);
+            if (ch->error != 0) return;
+            ++ch->counters.wakeups;
+            ch->fd_ready = true;
+            ch->ctx->queue_poller(&ch->service);
+        },
+        [](void* self, int err) noexcept { static_cast<channel_state*>(self)->fail(err); });
 }
 
 channel_state::~channel_state() {
     ctx->dequeue_poller(&service);
-    if (watch->in_flight) {
-        // The kernel still owes the poll's last CQE: the watch frees itself then, and holds
-        // the channel's fd open until it does.
-        watch->owner = nullptr;
-        if (!ctx->shutting_down()) {
-            try {
-                ctx->cancel(watch);
-            } catch (...) {
-                // The ring is unusable; ~io_context's cancel-all reaps the poll.
-            }
-        }
-    } else {
-        delete watch;
-    }
-}
-
-void channel_state::arm_watch() {
-    io_uring_sqe* sqe = ctx->get_sqe();
-    io_uring_prep_poll_multishot(sqe, channel.fd(), POLLIN);
-    io_uring_sqe_set_data(sqe, static_cast<operation*>(watch));
-    watch->in_flight = true;
-    ctx->start_background();
+    if (watch) watch->release();
 }
 
 void channel_state::fail(int err) noexcept {

@@ -88,33 +88,6 @@ namespace detail {
 
 namespace {
 
-void cm_watch_cqe(operation* op, int res, unsigned flags) noexcept {
-    auto* w = static_cast<cm_watch*>(op);
-    const bool final_cqe = !(flags & IORING_CQE_F_MORE);
-    if (final_cqe) {
-        w->in_flight = false;
-        w->ctx->finish_background();
-    }
-    cm_channel_state* ch = w->owner;
-    if (ch == nullptr) { // orphaned: the channel is gone, the fd closes with us
-        if (final_cqe) delete w;
-        return;
-    }
-    if (res >= 0) {
-        ch->drain();
-    } else if (res != -ECANCELED) {
-        ch->fail(-res);
-        return;
-    }
-    if (final_cqe && !w->ctx->shutting_down() && ch->error == 0) {
-        try {
-            ch->arm_watch();
-            ++w->rearms;
-        } catch (const std::system_error& e) {
-            ch->fail(e.code().value());
-        }
-    }
-}
 
 } // namespace
 
@@ -127,42 +100,17 @@ cm_channel_state::cm_channel_state(io_context& c) : ctx(&c) {
     if (fl < 0 || ::fcntl(raw->fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
         ::fcntl(raw->fd, F_SETFD, FD_CLOEXEC) < 0)
         throw_system_error(errno, "fcntl(rdma_cm event channel)");
-    watch = new cm_watch;
-    watch->on_cqe = &cm_watch_cqe;
-    watch->ctx = ctx;
-    watch->keep_open = channel;
-    watch->owner = this;
-    try {
-        arm_watch();
-    } catch (...) {
-        delete watch;
-        throw;
-    }
+    watch = fd_watch::start(
+        *ctx, channel->fd, channel, this,
+        [](void* self) noexcept {
+            auto* ch = static_cast<cm_channel_state*>(self);
+            if (ch->error == 0) ch->drain();
+        },
+        [](void* self, int err) noexcept { static_cast<cm_channel_state*>(self)->fail(err); });
 }
 
 cm_channel_state::~cm_channel_state() {
-    if (watch->in_flight) {
-        // The kernel still owes the poll's last CQE: the watch frees itself then, and holds
-        // the event channel's fd open until it does.
-        watch->owner = nullptr;
-        if (!ctx->shutting_down()) {
-            try {
-                ctx->cancel(watch);
-            } catch (...) {
-                // The ring is unusable; ~io_context's cancel-all reaps the poll.
-            }
-        }
-    } else {
-        delete watch;
-    }
-}
-
-void cm_channel_state::arm_watch() {
-    io_uring_sqe* sqe = ctx->get_sqe();
-    io_uring_prep_poll_multishot(sqe, channel->fd, POLLIN);
-    io_uring_sqe_set_data(sqe, static_cast<operation*>(watch));
-    watch->in_flight = true;
-    ctx->start_background();
+    if (watch) watch->release();
 }
 
 void cm_channel_state::fail(int err) noexcept {

@@ -53,7 +53,7 @@ public:
     io_context& context() const noexcept { return *state_->ctx; }
     int fd() const noexcept { return state_->channel.fd(); }
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.
-    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms : 0; }
+    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
 
 private:
     friend class cq;

@@ -50,7 +50,7 @@ public:
     // rdma_cm events read so far.
     std::uint64_t events() const noexcept { return state_->events; }
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.
-    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms : 0; }
+    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
 
 private:
     friend class cm_id;

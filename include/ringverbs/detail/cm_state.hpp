@@ -6,6 +6,8 @@
 
 #include <ringverbs/detail/config.hpp>
 
+#include <ringverbs/detail/fd_watch.hpp>
+
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/detail/waiter.hpp>
 #include <ringverbs/io_context.hpp>
@@ -33,23 +35,12 @@ struct cm_event_data {
     std::vector<std::byte> private_data;
 };
 
-// The multishot poll on the event channel's fd. Its own heap object, like channel_watch: when
-// the channel goes while the kernel still owes the poll's final CQE, it lives on holding the
-// event channel (and so its fd) open, and frees itself on that CQE.
-struct cm_watch : operation {
-    io_context* ctx = nullptr;
-    std::shared_ptr<rdma_event_channel> keep_open;
-    cm_channel_state* owner = nullptr; // null once orphaned
-    bool in_flight = false;
-    std::uint64_t rearms = 0;
-};
-
 struct cm_id_state;
 
 struct cm_channel_state {
     io_context* ctx;
     std::shared_ptr<rdma_event_channel> channel;
-    cm_watch* watch = nullptr;
+    fd_watch* watch = nullptr; // the multishot poll on the event channel's fd
     std::vector<cm_id_state*> ids; // live ids (raw: each removes itself), to fail on poll error
     std::uint64_t events = 0;      // rdma_cm events read
     int error = 0;                 // a failure of the fd poll or of rdma_get_cm_event: dead
@@ -59,7 +50,6 @@ struct cm_channel_state {
     cm_channel_state(const cm_channel_state&) = delete;
     cm_channel_state& operator=(const cm_channel_state&) = delete;
 
-    void arm_watch();
     // Reads every pending event (until EAGAIN), routes and acks each.
     void drain() noexcept;
     void dispatch(const rdma_cm_event& ev) noexcept;

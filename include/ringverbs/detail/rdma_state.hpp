@@ -5,6 +5,7 @@
 
 #include <ringverbs/detail/config.hpp>
 
+#include <ringverbs/detail/fd_watch.hpp>
 #include <ringverbs/detail/operation.hpp>
 #include <ringverbs/detail/waiter.hpp>
 #include <ringverbs/io_context.hpp>
@@ -78,17 +79,6 @@ struct channel_options_data {
     unsigned poll_batch = 32;
 };
 
-// The multishot poll on the channel's fd. Its own heap object: when the channel goes while
-// the kernel still owes the poll's final CQE, this object lives on, holding the channel (and
-// so its fd) open, and frees itself on that CQE: the fd is never closed under a live poll.
-struct channel_watch : operation {
-    io_context* ctx = nullptr;
-    std::shared_ptr<ibv_comp_channel> keep_open;
-    struct channel_state* owner = nullptr; // null once orphaned
-    bool in_flight = false;
-    std::uint64_t rearms = 0;
-};
-
 struct channel_state {
     struct service_poller : poller {
         channel_state* owner;
@@ -99,7 +89,7 @@ struct channel_state {
     const verbs::context* device;
     channel_options_data options;
     channel_counters counters;
-    channel_watch* watch = nullptr;
+    fd_watch* watch = nullptr; // the multishot poll on the channel's fd
     service_poller service;
     bool fd_ready = false;  // the fd was reported readable: drain events this turn
     bool spinning = false;  // busy, or hybrid within its spin window
@@ -118,7 +108,6 @@ struct channel_state {
     channel_state(const channel_state&) = delete;
     channel_state& operator=(const channel_state&) = delete;
 
-    void arm_watch();
     void run_service() noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
     void fail(int err) noexcept;

@@ -1,0 +1,53 @@
+// fd_watch: a multishot io_uring poll on a long-lived fd (a completion channel, an rdma_cm
+// event channel), as background work of an io_context.
+#pragma once
+
+#include <ringverbs/detail/config.hpp>
+
+#include <ringverbs/detail/operation.hpp>
+#include <ringverbs/io_context.hpp>
+
+#include <cstdint>
+#include <memory>
+
+namespace ringverbs::detail {
+
+// Invariants:
+// - Its own heap object, because it may outlive its owner: when the owner goes while the
+//   kernel still owes the poll's final CQE, release() cancels the poll and orphans the watch,
+//   which frees itself on that CQE. `keep_open` (a share of whatever owns the fd) keeps the
+//   fd open until then: the fd is never closed under a live poll.
+// - Re-armed whenever the kernel ends the multishot poll (a CQE without IORING_CQE_F_MORE),
+//   unless the owner failed or the context is being destroyed.
+// - on_ready / on_error run in the CQE loop: they must not resume coroutines inline.
+class fd_watch : operation {
+public:
+    using ready_fn = void (*)(void* owner) noexcept;
+    using error_fn = void (*)(void* owner, int err) noexcept; // err: a positive errno
+
+    // Arms the poll. Throws std::system_error naming io_uring_submit.
+    static fd_watch* start(io_context& ctx, int fd, std::shared_ptr<void> keep_open, void* owner,
+                           ready_fn on_ready, error_fn on_error);
+    // For the owner's destructor: cancels the poll and hands the watch over to the kernel's
+    // last CQE, or frees it now when none is owed.
+    void release() noexcept;
+
+    std::uint64_t rearms() const noexcept { return rearms_; }
+
+private:
+    fd_watch() = default;
+    void arm();
+    static void cqe(operation* op, int res, unsigned flags) noexcept;
+
+    io_context* ctx_ = nullptr;
+    int fd_ = -1;
+    std::shared_ptr<void> keep_open_;
+    void* owner_ = nullptr; // null once orphaned
+    ready_fn on_ready_ = nullptr;
+    error_fn on_error_ = nullptr;
+    bool in_flight_ = false;
+    bool failed_ = false;
+    std::uint64_t rearms_ = 0;
+};
+
+} // namespace ringverbs::detail
