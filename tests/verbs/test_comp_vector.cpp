@@ -16,20 +16,8 @@ TEST_CASE("a CQ on each completion vector delivers completions and events") {
         verbs::memory_region smr(lp.pd, src, verbs::access::none), dmr(lp.pd, dst);
         // Arm first so the completions must arrive as a channel event, not just by polling.
         lp.cq.req_notify();
-        ibv_sge rsge = dmr.sge();
-        ibv_recv_wr rwr{};
-        rwr.wr_id = 2;
-        rwr.sg_list = &rsge;
-        rwr.num_sge = 1;
-        lp.b.post_recv(rwr);
-        ibv_sge ssge = smr.sge();
-        ibv_send_wr swr{};
-        swr.wr_id = 1;
-        swr.sg_list = &ssge;
-        swr.num_sge = 1;
-        swr.opcode = IBV_WR_SEND;
-        swr.send_flags = IBV_SEND_SIGNALED;
-        lp.a.post_send(swr);
+        post_recv_into(lp.b, dmr, 2);
+        post_send_from(lp.a, smr, 1);
         auto ev = lp.channel.wait_event(10s);
         REQUIRE(ev.has_value());
         CHECK(ev->cq == lp.cq.native());

@@ -193,20 +193,8 @@ TEST_CASE("wrappers destroyed before their children: the children keep working")
     if (base) CHECK(show_counts(rdma_resource_counts(rdma_device().name)) == show_counts(base));
     verbs::connect_loopback(a, b, rdma_device().port, rdma_device().gid_index);
 
-    ibv_sge rsge = dst_mr.sge();
-    ibv_recv_wr rwr{};
-    rwr.wr_id = 2;
-    rwr.sg_list = &rsge;
-    rwr.num_sge = 1;
-    b.post_recv(rwr);
-    ibv_sge ssge = src_mr.sge();
-    ibv_send_wr swr{};
-    swr.wr_id = 1;
-    swr.sg_list = &ssge;
-    swr.num_sge = 1;
-    swr.opcode = IBV_WR_SEND;
-    swr.send_flags = IBV_SEND_SIGNALED;
-    a.post_send(swr);
+    post_recv_into(b, dst_mr, 2);
+    post_send_from(a, src_mr, 1);
 
     // The channel object goes too; the CQ still owns a share of it, so events still arrive.
     auto ev_channel = std::move(*channel);
@@ -263,20 +251,8 @@ TEST_CASE("destroying a CQ with unacked events does not hang") {
     lp->cq.req_notify();
     send_recv(*lp, lp->a, lp->b, smr, dmr); // acks the events it waits for
     lp->cq.req_notify();
-    ibv_sge rsge = dmr.sge();
-    ibv_recv_wr rwr{};
-    rwr.wr_id = 98;
-    rwr.sg_list = &rsge;
-    rwr.num_sge = 1;
-    lp->b.post_recv(rwr);
-    ibv_sge sge = smr.sge();
-    ibv_send_wr wr{};
-    wr.wr_id = 99;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    lp->a.post_send(wr);
+    post_recv_into(lp->b, dmr, 98);
+    post_send_from(lp->a, smr, 99);
     auto ev = lp->channel.wait_event(10s);
     REQUIRE(ev.has_value());
     CHECK(lp->cq.unacked_events() == 1);

@@ -77,20 +77,8 @@ TEST_CASE("the RC state machine: RESET, INIT, RTR, RTS, ERROR and back") {
     verbs::memory_region smr(pd, src, verbs::access::none), dmr(pd, dst);
     {
         // send_recv() only needs the CQ and channel of the loopback struct; borrow ours.
-        ibv_sge rsge = dmr.sge();
-        ibv_recv_wr rwr{};
-        rwr.wr_id = 11;
-        rwr.sg_list = &rsge;
-        rwr.num_sge = 1;
-        b.post_recv(rwr);
-        ibv_sge ssge = smr.sge();
-        ibv_send_wr swr{};
-        swr.wr_id = 10;
-        swr.sg_list = &ssge;
-        swr.num_sge = 1;
-        swr.opcode = IBV_WR_SEND;
-        swr.send_flags = IBV_SEND_SIGNALED;
-        a.post_send(swr);
+        post_recv_into(b, dmr, 11);
+        post_send_from(a, smr, 10);
         const auto wcs = wait_completions(cq, ch, 2);
         CHECK(find_wc(wcs, 10).status == IBV_WC_SUCCESS);
         CHECK(find_wc(wcs, 11).status == IBV_WC_SUCCESS);
@@ -98,12 +86,7 @@ TEST_CASE("the RC state machine: RESET, INIT, RTR, RTS, ERROR and back") {
     }
 
     // ERROR flushes what is posted.
-    ibv_sge rsge = dmr.sge();
-    ibv_recv_wr rwr{};
-    rwr.wr_id = 12;
-    rwr.sg_list = &rsge;
-    rwr.num_sge = 1;
-    b.post_recv(rwr);
+    post_recv_into(b, dmr, 12);
     b.to_error();
     CHECK(b.state() == IBV_QPS_ERR);
     const auto flushed = wait_completions(cq, ch, 1);
@@ -119,15 +102,8 @@ TEST_CASE("the RC state machine: RESET, INIT, RTR, RTS, ERROR and back") {
     CHECK(a.state() == IBV_QPS_RTS);
     CHECK(b.state() == IBV_QPS_RTS);
     std::fill(dst.begin(), dst.end(), std::byte{0});
-    b.post_recv(rwr);
-    ibv_sge ssge = smr.sge();
-    ibv_send_wr swr{};
-    swr.wr_id = 13;
-    swr.sg_list = &ssge;
-    swr.num_sge = 1;
-    swr.opcode = IBV_WR_SEND;
-    swr.send_flags = IBV_SEND_SIGNALED;
-    a.post_send(swr);
+    post_recv_into(b, dmr, 12);
+    post_send_from(a, smr, 13);
     const auto wcs = wait_completions(cq, ch, 2);
     CHECK(find_wc(wcs, 12).status == IBV_WC_SUCCESS);
     CHECK(find_wc(wcs, 13).status == IBV_WC_SUCCESS);
@@ -164,12 +140,7 @@ TEST_CASE("inline sends need no memory region") {
     const std::vector<std::byte> src = pattern(64, 5);
     std::vector<std::byte> dst(64);
     verbs::memory_region dmr(lp.pd, dst);
-    ibv_sge rsge = dmr.sge();
-    ibv_recv_wr rwr{};
-    rwr.wr_id = 2;
-    rwr.sg_list = &rsge;
-    rwr.num_sge = 1;
-    lp.b.post_recv(rwr);
+    post_recv_into(lp.b, dmr, 2);
     ibv_sge ssge{reinterpret_cast<std::uintptr_t>(src.data()), 64, 0};
     ibv_send_wr swr{};
     swr.wr_id = 1;
@@ -290,12 +261,7 @@ TEST_CASE("raw verbs interop: blocking ibv_get_cq_event on native()") {
 
     std::vector<std::byte> src = pattern(100, 51), dst(100);
     verbs::memory_region smr(lp.pd, src, verbs::access::none), dmr(lp.pd, dst);
-    ibv_sge rsge = dmr.sge();
-    ibv_recv_wr rwr{};
-    rwr.wr_id = 2;
-    rwr.sg_list = &rsge;
-    rwr.num_sge = 1;
-    lp.b.post_recv(rwr);
+    post_recv_into(lp.b, dmr, 2);
     REQUIRE(ibv_req_notify_cq(lp.cq.native(), 0) == 0);
     ibv_sge ssge = smr.sge();
     ibv_send_wr swr{};
@@ -340,20 +306,8 @@ TEST_CASE("many round trips with batched acks") {
     ibv_wc wc[16];
     for (std::uint32_t i = 0; i < 200; ++i) {
         fill_pattern(ping, i);
-        ibv_sge rsge = qmr.sge();
-        ibv_recv_wr rwr{};
-        rwr.wr_id = i * 2 + 1;
-        rwr.sg_list = &rsge;
-        rwr.num_sge = 1;
-        lp.b.post_recv(rwr);
-        ibv_sge ssge = pmr.sge();
-        ibv_send_wr swr{};
-        swr.wr_id = i * 2;
-        swr.sg_list = &ssge;
-        swr.num_sge = 1;
-        swr.opcode = IBV_WR_SEND;
-        swr.send_flags = IBV_SEND_SIGNALED;
-        lp.a.post_send(swr);
+        post_recv_into(lp.b, qmr, i * 2 + 1);
+        post_send_from(lp.a, pmr, i * 2);
         int done = 0;
         while (done < 2) {
             std::size_t n = lp.cq.poll(wc);

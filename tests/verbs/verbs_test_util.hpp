@@ -145,24 +145,35 @@ struct loopback {
 };
 
 // Posts a receive of `dst` on `to`, a signaled send of `src` on `from`, and checks both complete.
+// Posts one receive of the whole of `dst` with `wr_id`.
+inline void post_recv_into(verbs::queue_pair& qp, const verbs::memory_region& dst,
+                           std::uint64_t wr_id) {
+    ibv_sge sge = dst.sge();
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    qp.post_recv(wr);
+}
+
+// Posts one signaled SEND of the whole of `src` with `wr_id`.
+inline void post_send_from(verbs::queue_pair& qp, const verbs::memory_region& src,
+                           std::uint64_t wr_id) {
+    ibv_sge sge = src.sge();
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    qp.post_send(wr);
+}
+
 inline void send_recv(loopback& lp, verbs::queue_pair& from, verbs::queue_pair& to,
                       const verbs::memory_region& src, const verbs::memory_region& dst,
                       std::uint64_t id = 1) {
-    ibv_sge rsge = dst.sge();
-    ibv_recv_wr rwr{};
-    rwr.wr_id = id * 2 + 1;
-    rwr.sg_list = &rsge;
-    rwr.num_sge = 1;
-    to.post_recv(rwr);
-
-    ibv_sge ssge = src.sge();
-    ibv_send_wr swr{};
-    swr.wr_id = id * 2;
-    swr.sg_list = &ssge;
-    swr.num_sge = 1;
-    swr.opcode = IBV_WR_SEND;
-    swr.send_flags = IBV_SEND_SIGNALED;
-    from.post_send(swr);
+    post_recv_into(to, dst, id * 2 + 1);
+    post_send_from(from, src, id * 2);
 
     const auto wcs = lp.wait(2);
     const ibv_wc s = find_wc(wcs, id * 2);
