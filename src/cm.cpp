@@ -197,6 +197,13 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
         break;
     }
     case RDMA_CM_EVENT_DISCONNECTED:
+        // The peer's DREQ (or the answer to ours). Unless we disconnected first, answer it:
+        // rdma_disconnect moves our QP to the error state, so every request still posted on
+        // it completes (flushed) and no awaiter of it is left hanging, and sends the DREP.
+        if (!s->disconnect_sent && ev.id->qp != nullptr) {
+            s->disconnect_sent = true;
+            rdma_disconnect(ev.id); // best effort: the connection is gone either way
+        }
         s->disconnected = true;
         s->connected = false;
         while (waiter* w = s->disc_waiters.pop_front()) w->fulfil(0);
@@ -366,6 +373,7 @@ std::vector<std::byte> cm_id::outcome(detail::cm_id_state& s, step k, int wait_e
 
 void cm_id::start_disconnect(detail::cm_id_state& s) {
     errno = 0;
+    s.disconnect_sent = true;
     if (rdma_disconnect(s.id) != 0) {
         const int err = errno != 0 ? errno : EIO;
         // EINVAL on an id that never got connected: there is nothing to wait for.

@@ -95,7 +95,9 @@ struct cm_conn_options {
 //   id.listen(addr); cm_id c = co_await id.accept(); qp q(c, pd, cq, cq);
 //   co_await c.accept_connection(private_data);
 // and either side ends with co_await disconnect(), the other learning it from
-// co_await disconnected(). A step fails with a std::system_error naming the rdma_* call and
+// co_await disconnected(). When the peer disconnects (or its process dies), the id answers at
+// once: its QP goes to the error state, so every request still posted on it completes with
+// IBV_WC_WR_FLUSH_ERR and every await on the qp resumes. A step fails with a std::system_error naming the rdma_* call and
 // its errno; the asynchronous steps also take wait_options (timed_out, operation_canceled:
 // a step that timed out or was cancelled leaves the id mid-way, destroy it).
 //

@@ -288,3 +288,83 @@ TEST_CASE("lifetime: ids keep their event channel serving, a qp keeps its id") {
     q.reset();
     listener.reset();
 }
+
+// One side disconnects while the other has receives posted and awaited: the other side's id
+// answers the DREQ, its QP goes to the error state and every posted receive resumes flushed.
+// Run with the connector disconnecting, then with the listener disconnecting.
+TEST_CASE("disconnect from either side mid-stream: the other side's pending receives resume "
+          "flushed, none hangs") {
+    const std::string ip = test_addr();
+    for (const bool client_leaves : {true, false}) {
+        CAPTURE(client_leaves);
+        const sockaddr_in at = addr_at(ip, client_leaves ? 20878 : 20879);
+        io_context io;
+        cm_channel events(io);
+        cm_id listener(events);
+        listener.listen(sa(at));
+        verbs::context dev = listener.device();
+        verbs::protection_domain pd(dev);
+        channel comp(io, dev);
+        cq cq_server(comp), cq_client(comp);
+        region server_in(pd, 4 * 64), client_in(pd, 4 * 64), out(pd, 64);
+        fill(out.bytes, 5);
+        int flushed_on_stayer = 0;
+        int delivered = 0;
+
+        // The side that stays: 4 receives posted before it connects (or accepts), the first
+        // gets a message, the other 3 must be flushed by the peer's disconnect.
+        auto stay = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
+            auto r0 = q.recv(in.local(0, 64));
+            auto r1 = q.recv(in.local(64, 64));
+            auto r2 = q.recv(in.local(128, 64));
+            auto r3 = q.recv(in.local(192, 64));
+            r0.post(), r1.post(), r2.post(), r3.post();
+            if (connector) co_await id.connect({}, wait_options(10s));
+            else co_await id.accept_connection({}, wait_options(10s));
+            co_await r0;
+            ++delivered;
+            for (auto* r : {&r1, &r2, &r3}) {
+                try {
+                    (void)co_await *r;
+                    FAIL("a receive completed without a message");
+                } catch (const completion_error& e) {
+                    CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+                    ++flushed_on_stayer;
+                }
+            }
+            co_await id.disconnected(wait_options(10s));
+        };
+        // The side that leaves: one message, then disconnect with a receive of its own posted
+        // (flushed by its own disconnect).
+        auto leave = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
+            auto mine = q.recv(in.local(0, 64));
+            mine.post();
+            if (connector) co_await id.connect({}, wait_options(10s));
+            else co_await id.accept_connection({}, wait_options(10s));
+            co_await q.send(out.local(0, 64));
+            co_await id.disconnect(wait_options(10s));
+            try {
+                (void)co_await mine;
+                FAIL("the leaver's receive completed");
+            } catch (const completion_error& e) {
+                CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+            }
+        };
+        auto server = [&]() -> task<void> {
+            cm_id conn = co_await listener.accept(wait_options(10s));
+            qp q(conn, pd, cq_server, cq_server);
+            if (client_leaves) co_await stay(conn, q, server_in, false);
+            else co_await leave(conn, q, server_in, false);
+        };
+        auto client = [&]() -> task<void> {
+            cm_id id(events);
+            co_await resolve(id, at);
+            qp q(id, pd, cq_client, cq_client);
+            if (client_leaves) co_await leave(id, q, client_in, true);
+            else co_await stay(id, q, client_in, true);
+        };
+        io.run(when_all(server(), client()));
+        CHECK(delivered == 1);
+        CHECK(flushed_on_stayer == 3);
+    }
+}

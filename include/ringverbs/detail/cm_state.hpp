@@ -75,6 +75,7 @@ struct cm_id_state {
     // disconnect() / disconnected() waiters; `disconnected` is sticky.
     waiter_queue disc_waiters;
     bool disconnected = false;
+    bool disconnect_sent = false; // rdma_disconnect was called (by us, or answering the peer)
     bool connected = false;
     // An incoming request not yet answered: it is rejected if the id goes unanswered.
     bool unanswered = false;
