@@ -1,0 +1,338 @@
+// echo_client: sends messages to examples/echo_server with SEND and checks that every one comes
+// back byte for byte; prints throughput and latency percentiles. One coroutine per connection,
+// all on one io_context.
+//
+//   echo_client --address IP [--port N] [--device NAME] [--size BYTES] [--count N]
+//               [--inflight N] [--clients N] [--mode events|hybrid|busy] [--json]
+//
+// Each connection keeps --inflight messages on the wire: a message goes out when the reply to
+// the one before it in the same buffer slot is back and that slot's send has completed. The
+// server echoes in order, so the k-th reply must be the k-th message: its bytes are a pattern
+// of (connection, k), checked in full. SIGINT stops early, with a clean disconnect.
+#include "echo_common.hpp"
+
+#include <ringverbs/channel.hpp>
+#include <ringverbs/cm.hpp>
+#include <ringverbs/cq.hpp>
+#include <ringverbs/qp.hpp>
+
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <vector>
+
+using namespace ringverbs;
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+const char* const usage =
+    "usage: echo_client --address IP [--port N] [--device NAME] [--size BYTES] [--count N]\n"
+    "                   [--inflight N] [--clients N] [--mode events|hybrid|busy] [--json]\n"
+    "  --address   the server's IPv4 or IPv6 address (default: $RINGVERBS_ADDR)\n"
+    "  --port      the server's port (default 18515)\n"
+    "  --device    the RDMA device that must carry the connections (default: the route's)\n"
+    "  --size      bytes per message (default 64)\n"
+    "  --count     messages per connection (default 10000)\n"
+    "  --inflight  messages on the wire per connection (default 1: ping-pong)\n"
+    "  --clients   connections, each its own coroutine (default 1)\n"
+    "  --mode      how the completion channel waits (default events)\n"
+    "  --json      also print the result as one JSON object\n";
+
+struct config {
+    std::string address;
+    std::uint16_t port = echo::default_port;
+    std::string device;
+    std::uint32_t size = 64;
+    std::uint64_t count = 10000;
+    std::uint32_t inflight = 1;
+    int clients = 1;
+    polling_mode mode = polling_mode::events;
+    bool json = false;
+};
+
+// Round trips in buckets 1% wide from 0.1 us to ~100 s: percentiles within 1%, fixed memory
+// (a run of any length allocates nothing per message).
+struct latency_histogram {
+    static constexpr double base_us = 0.1, growth = 1.01;
+    std::vector<std::uint64_t> counts = std::vector<std::uint64_t>(2100);
+    std::uint64_t total = 0;
+    void add(double us) {
+        const double i = us <= base_us ? 0.0 : std::log(us / base_us) / std::log(growth);
+        ++counts[std::min(counts.size() - 1, static_cast<std::size_t>(i))];
+        ++total;
+    }
+    double percentile(double p) const { // the bucket's upper edge
+        const auto rank = static_cast<std::uint64_t>(std::ceil(p * static_cast<double>(total)));
+        std::uint64_t seen = 0;
+        for (std::size_t i = 0; i < counts.size(); ++i)
+            if ((seen += counts[i]) >= rank && seen > 0) return base_us * std::pow(growth, static_cast<double>(i + 1));
+        return 0.0;
+    }
+};
+
+struct client {
+    client(io_context& i, config c, sockaddr_storage to) : io(i), cfg(std::move(c)), server(to) {}
+    io_context& io;
+    config cfg;
+    sockaddr_storage server;
+    cm_channel cm{io};
+    // PD and completion channel of the device the route goes through, made by the first
+    // connection (they all go to one address).
+    std::optional<verbs::context> ctx;
+    std::optional<verbs::protection_domain> pd;
+    std::optional<channel> events;
+    std::stop_source stopping;
+    latency_histogram latency; // every verified round trip
+    std::uint64_t verified = 0;
+    int failed = 0;
+};
+
+// Byte i of message k of connection c: both sides of the check compute it.
+std::byte pattern(int c, std::uint64_t k, std::size_t i) {
+    return static_cast<std::byte>((k * 131 + static_cast<std::uint64_t>(c) * 71 + i * 7) & 0xff);
+}
+
+constexpr std::uint64_t send_bit = std::uint64_t{1} << 32;
+
+task<void> connection(client& cl, int number) {
+    const config& cfg = cl.cfg;
+    const std::uint32_t size = cfg.size, window = cfg.inflight;
+    const std::string where = echo::text_of(reinterpret_cast<const sockaddr*>(&cl.server));
+    cm_id id(cl.cm);
+    try {
+        co_await id.resolve_addr(reinterpret_cast<const sockaddr*>(&cl.server), wait_options(5s));
+        co_await id.resolve_route(wait_options(5s));
+    } catch (const std::system_error& e) {
+        throw std::runtime_error("cannot reach " + where + ": " + e.what());
+    }
+    if (!cl.ctx) {
+        cl.ctx.emplace(id.device());
+        if (!cfg.device.empty() && cl.ctx->name() != cfg.device)
+            throw std::runtime_error("the route to " + where + " goes through device " + std::string(cl.ctx->name()) +
+                                     ", not " + cfg.device);
+        cl.pd.emplace(*cl.ctx);
+        cl.events.emplace(cl.io, *cl.ctx, channel_options{.mode = cfg.mode});
+    }
+    // Slot s of each half: the message k = s (mod window) going out, and a reply coming in.
+    // Declared before the QP, so that they outlive it.
+    std::vector<std::byte> buffers(2 * std::size_t{window} * size);
+    verbs::memory_region mr(*cl.pd, buffers);
+    cq completions(*cl.events, cq_options{.entries = static_cast<int>(2 * window)});
+    qp q(id, *cl.pd, completions, completions, verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window});
+    std::byte* const out = buffers.data();
+    std::byte* const in = buffers.data() + std::size_t{window} * size;
+    ibv_sge sge{};
+    auto post_receive = [&](std::uint64_t slot) {
+        sge = {reinterpret_cast<std::uintptr_t>(in + slot * size), size, mr.native()->lkey};
+        ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
+        q.native_qp().post_recv(wr);
+    };
+    std::vector<clock_type::time_point> sent_at(window);
+    auto post_message = [&](std::uint64_t k) {
+        const std::uint64_t slot = k % window;
+        for (std::size_t i = 0; i < size; ++i) out[slot * size + i] = pattern(number, k, i);
+        sge = {reinterpret_cast<std::uintptr_t>(out + slot * size), size, mr.native()->lkey};
+        ibv_send_wr wr{};
+        wr.wr_id = slot | send_bit;
+        wr.sg_list = &sge;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_SEND;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        sent_at[slot] = clock_type::now();
+        q.native_qp().post_send(wr);
+    };
+    std::uint64_t receives = std::min<std::uint64_t>(window, cfg.count); // posted so far
+    for (std::uint64_t slot = 0; slot < receives; ++slot) post_receive(slot);
+
+    echo::server_hello hello{};
+    try {
+        auto data = co_await id.connect({}, wait_options(10s));
+        if (data.size() >= sizeof hello) std::memcpy(&hello, data.data(), sizeof hello);
+    } catch (const std::system_error& e) {
+        throw std::runtime_error("cannot connect to " + where + ": " + e.what());
+    }
+    const std::uint32_t server_max = ntohl(hello.max_size);
+    if (server_max != 0 && size > server_max)
+        std::fprintf(stderr, "echo_client: connection %d: --size %u exceeds the %u bytes the server takes: "
+                             "it will close the connection\n", number, size, server_max);
+
+    // A slot is free for its next message when the reply is back (+1) and the send is done (+1).
+    std::vector<int> done(window, 0);
+    std::uint64_t next = 0, received = 0;
+    std::size_t posted = receives; // requests owed a completion
+    for (; next < std::min<std::uint64_t>(window, cfg.count); ++next, ++posted) post_message(next);
+    std::string error;
+    bool closing = false;
+    auto close = [&](std::string why) -> task<void> {
+        if (closing) co_return;
+        closing = true;
+        error = std::move(why);
+        try {
+            co_await id.disconnect(wait_options(2s));
+        } catch (const std::exception&) {
+        }
+    };
+    while (posted > 0) {
+        ibv_wc wc{};
+        // Once closing, only the flushes are awaited, and not forever (see echo_server.cpp).
+        const wait_options wait = closing ? wait_options(5s) : wait_options(cl.stopping.get_token());
+        bool interrupted = false;
+        try {
+            wc = co_await completions.next(wait);
+        } catch (const std::system_error&) {
+            interrupted = true; // a co_await may not be in a handler
+        }
+        if (interrupted && closing) break;
+        if (interrupted) {
+            co_await close("interrupted");
+            continue;
+        }
+        --posted;
+        const std::uint64_t slot = wc.wr_id & ~send_bit;
+        if (wc.status != IBV_WC_SUCCESS) {
+            std::string why = id.is_disconnected() ? "the server closed the connection"
+                                                   : std::string(wc.wr_id & send_bit ? "send" : "receive") +
+                                                         " failed: " + ibv_wc_status_str(wc.status);
+            if (server_max != 0 && size > server_max) why += " (messages of " + std::to_string(size) +
+                                                              " bytes, the server takes " + std::to_string(server_max) + ")";
+            co_await close(why);
+            continue;
+        }
+        if (closing) continue;
+        if (wc.opcode == IBV_WC_RECV) {
+            const std::byte* got = in + slot * size;
+            bool same = wc.byte_len == size;
+            for (std::size_t i = 0; same && i < size; ++i) same = got[i] == pattern(number, received, i);
+            if (!same) {
+                co_await close("reply " + std::to_string(received) + " differs from the message sent");
+                continue;
+            }
+            cl.latency.add(std::chrono::duration<double, std::micro>(clock_type::now() - sent_at[received % window]).count());
+            ++cl.verified;
+            ++done[received % window];
+            ++received;
+            if (receives < cfg.count) {
+                post_receive(slot);
+                ++receives;
+                ++posted;
+            }
+        } else {
+            ++done[slot];
+        }
+        // Send the next message in every slot whose reply and send are both back.
+        while (next < cfg.count && done[next % window] == 2) {
+            done[next % window] = 0;
+            post_message(next++);
+            ++posted;
+        }
+    }
+    // Every request is back (flushed ones too, after a close): the buffers are ours again.
+    if (!closing) co_await close("");
+    if (!error.empty()) {
+        throw std::runtime_error("connection " + std::to_string(number) + " to " + where + ": " + error + " after " +
+                                 std::to_string(received) + " of " + std::to_string(cfg.count) + " messages");
+    }
+}
+
+task<void> guarded(client& cl, int number) {
+    try {
+        co_await connection(cl, number);
+    } catch (const std::exception& e) {
+        if (!cl.stopping.stop_requested()) ++cl.failed; // SIGINT is not a failure
+        std::fprintf(stderr, "echo_client: %s\n", e.what());
+    }
+}
+
+task<void> watch_signals(client& cl, int fd) {
+    // (The result is bound to a variable first: GCC 12 destroys a task awaited inside an if
+    // condition too early.)
+    const int sig = co_await echo::next_signal(cl.io, fd, cl.stopping.get_token());
+    if (sig != 0) cl.stopping.request_stop();
+}
+
+task<void> all_connections(client& cl) {
+    std::vector<task<void>> all;
+    for (int c = 0; c < cl.cfg.clients; ++c) all.push_back(guarded(cl, c));
+    co_await when_all(std::move(all));
+    cl.stopping.request_stop(); // ends the signal watch
+}
+
+config parse(int argc, char** argv) {
+    config c;
+    if (const char* a = std::getenv("RINGVERBS_ADDR")) c.address = a;
+    if (const char* d = std::getenv("RINGVERBS_DEVICE")) c.device = d;
+    for (int i = 1; i < argc; ++i) {
+        const std::string flag = argv[i];
+        if (flag == "--help" || flag == "-h") throw echo::usage_error("");
+        if (flag == "--json") {
+            c.json = true;
+            continue;
+        }
+        if (i + 1 >= argc) throw echo::usage_error(flag + " needs a value (or is unknown)");
+        const std::string v = argv[++i];
+        if (flag == "--address") c.address = v;
+        else if (flag == "--port") c.port = static_cast<std::uint16_t>(echo::number(flag, v, 1, 65535));
+        else if (flag == "--device") c.device = v;
+        else if (flag == "--size") c.size = static_cast<std::uint32_t>(echo::number(flag, v, 1, 1u << 30));
+        else if (flag == "--count") c.count = echo::number(flag, v, 1, 1ul << 40);
+        else if (flag == "--inflight") c.inflight = static_cast<std::uint32_t>(echo::number(flag, v, 1, 4096));
+        else if (flag == "--clients") c.clients = static_cast<int>(echo::number(flag, v, 1, 1024));
+        else if (flag == "--mode") c.mode = echo::mode_of(v);
+        else throw echo::usage_error("unknown option " + flag);
+    }
+    if (c.address.empty()) throw echo::usage_error("--address is required (or set RINGVERBS_ADDR)");
+    return c;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+    config cfg;
+    try {
+        cfg = parse(argc, argv);
+    } catch (const echo::usage_error& e) {
+        if (*e.what()) std::fprintf(stderr, "echo_client: %s\n", e.what());
+        std::fputs(usage, *e.what() ? stderr : stdout);
+        return *e.what() ? 2 : 0;
+    }
+    try {
+        echo::check_device(cfg.device);
+        const int signals = echo::signal_fd();
+        io_context io;
+        client cl(io, cfg, echo::address_of(cfg.address, cfg.port));
+        const auto t0 = clock_type::now();
+        io.run(when_all(watch_signals(cl, signals), all_connections(cl)));
+        const double secs = std::chrono::duration<double>(clock_type::now() - t0).count();
+        ::close(signals);
+
+        auto pct = [&](double p) { return cl.latency.percentile(p); };
+        const double rate = static_cast<double>(cl.verified) / secs;
+        const std::uint64_t want = cfg.count * static_cast<std::uint64_t>(cfg.clients);
+        std::printf("echo_client: %llu of %llu messages (%llu bytes) echoed and verified byte for byte; "
+                    "%d connection(s), %u bytes each, %u in flight, %s mode\n",
+                    static_cast<unsigned long long>(cl.verified), static_cast<unsigned long long>(want),
+                    static_cast<unsigned long long>(cl.verified * cfg.size), cfg.clients, cfg.size, cfg.inflight,
+                    echo::mode_name(cfg.mode));
+        std::printf("echo_client: %.0f messages/s, %.2f MB/s each way; round trip p50 %.1f us, p99 %.1f us, p99.9 %.1f us\n",
+                    rate, rate * cfg.size / 1e6, pct(0.50), pct(0.99), pct(0.999));
+        if (cfg.json)
+            std::printf("{\"clients\": %d, \"size\": %u, \"inflight\": %u, \"mode\": \"%s\", \"messages\": %llu, "
+                        "\"verified\": %llu, \"seconds\": %.3f, \"messages_per_s\": %.1f, \"p50_us\": %.2f, "
+                        "\"p99_us\": %.2f, \"p999_us\": %.2f}\n",
+                        cfg.clients, cfg.size, cfg.inflight, echo::mode_name(cfg.mode), static_cast<unsigned long long>(want),
+                        static_cast<unsigned long long>(cl.verified), secs, rate, pct(0.50), pct(0.99), pct(0.999));
+        if (cl.stopping.stop_requested() && cl.verified < want && cl.failed == 0) return 130;
+        return cl.failed == 0 && cl.verified == want ? 0 : 1;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "echo_client: %s\n", e.what());
+        return 1;
+    }
+}

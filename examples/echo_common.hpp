@@ -1,0 +1,121 @@
+// What examples/echo_server.cpp and examples/echo_client.cpp share: addresses, options, the
+// device check, signals through the ring, and the few bytes the server tells each client.
+#pragma once
+
+#include <ringverbs/channel.hpp>
+#include <ringverbs/ringverbs.hpp>
+#include <ringverbs/verbs.hpp>
+
+#include <netdb.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+
+#include <cstdint>
+#include <span>
+#include <stop_token>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace echo {
+
+inline constexpr std::uint16_t default_port = 18515;
+inline constexpr std::uint32_t default_max_size = 4096;
+
+// A usage error: main prints it with --help's text and exits 2.
+struct usage_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+inline unsigned long number(const std::string& flag, const std::string& text, unsigned long lo,
+                            unsigned long hi) {
+    try {
+        std::size_t end = 0;
+        unsigned long v = std::stoul(text, &end);
+        if (end == text.size() && v >= lo && v <= hi) return v;
+    } catch (const std::exception&) {
+    }
+    throw usage_error(flag + " wants a number from " + std::to_string(lo) + " to " +
+                      std::to_string(hi) + ", not '" + text + "'");
+}
+
+inline ringverbs::polling_mode mode_of(const std::string& text) {
+    if (text == "events") return ringverbs::polling_mode::events;
+    if (text == "hybrid") return ringverbs::polling_mode::hybrid;
+    if (text == "busy") return ringverbs::polling_mode::busy;
+    throw usage_error("--mode wants events, hybrid or busy, not '" + text + "'");
+}
+
+inline const char* mode_name(ringverbs::polling_mode m) {
+    return m == ringverbs::polling_mode::busy ? "busy" : m == ringverbs::polling_mode::hybrid ? "hybrid" : "events";
+}
+
+// A numeric IPv4 or IPv6 address and a port (rdma_cm resolves addresses, not names).
+inline sockaddr_storage address_of(const std::string& text, std::uint16_t port) {
+    addrinfo hints{};
+    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const std::string service = std::to_string(port);
+    if (int rc = getaddrinfo(text.c_str(), service.c_str(), &hints, &found); rc != 0)
+        throw usage_error("--address '" + text + "' is not a numeric IPv4 or IPv6 address (" + gai_strerror(rc) + ")");
+    sockaddr_storage a{};
+    std::memcpy(&a, found->ai_addr, found->ai_addrlen);
+    freeaddrinfo(found);
+    return a;
+}
+
+inline std::string text_of(const sockaddr* a) {
+    char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
+    const socklen_t len = a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+    getnameinfo(a, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
+    return a->sa_family == AF_INET6 ? "[" + std::string(host) + "]:" + serv : std::string(host) + ":" + serv;
+}
+
+// Fails clearly when there is no RDMA device at all, or none called `name`.
+inline void check_device(const std::string& name) {
+    ringverbs::verbs::device_list devices;
+    if (devices.empty())
+        throw std::runtime_error("no RDMA device on this machine (load a driver, e.g. rdma_rxe for Soft-RoCE, "
+                                 "or run under tools/softroce-vm)");
+    if (!name.empty() && !devices.find(name)) {
+        std::string names;
+        for (std::size_t i = 0; i < devices.size(); ++i) names += (i ? ", " : "") + std::string(devices[i].name());
+        throw std::runtime_error("no RDMA device called '" + name + "' (there is: " + names + ")");
+    }
+}
+
+// SIGINT and SIGTERM, blocked and delivered to a signalfd that the ring reads.
+inline int signal_fd() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    if (sigprocmask(SIG_BLOCK, &set, nullptr) != 0) ringverbs::throw_system_error(errno, "sigprocmask");
+    int fd = signalfd(-1, &set, SFD_CLOEXEC);
+    if (fd < 0) ringverbs::throw_system_error(errno, "signalfd");
+    return fd;
+}
+
+// co_await next_signal(io, fd, stop): the number of the next signal (read through the ring),
+// or 0 once `stop` is requested.
+inline ringverbs::task<int> next_signal(ringverbs::io_context& io, int fd, std::stop_token stop) {
+    signalfd_siginfo info{};
+    try {
+        auto bytes = std::as_writable_bytes(std::span(&info, 1));
+        co_await ringverbs::read(io, fd, bytes, ringverbs::current_position, ringverbs::wait_options(stop));
+    } catch (const std::system_error& e) {
+        if (e.code() == std::errc::operation_canceled) co_return 0;
+        throw;
+    }
+    co_return static_cast<int>(info.ssi_signo);
+}
+
+// The private data of the server's accept: what it takes, so that a client can say why a
+// connection was closed. Network byte order.
+struct server_hello {
+    std::uint32_t max_size = 0; // bytes of each posted receive
+    std::uint32_t depth = 0;    // receives posted per connection
+};
+
+} // namespace echo
