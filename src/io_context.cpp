@@ -16,7 +16,11 @@ namespace {
 
 // The io_context whose run_once() is on this thread's stack: push_remote() from inside it
 // needs no eventfd write, the loop looks at the queue before it sleeps.
-thread_local io_context* running_context = nullptr;
+// initial-exec: read at a fixed offset from the thread pointer instead of through
+// __tls_get_addr (the default model in a shared library), twice per loop turn. A program
+// linked with the library has it in its static TLS block; one that dlopen()s it gets these 8
+// bytes from glibc's reserve of static TLS, which exists for such variables.
+[[gnu::tls_model("initial-exec")]] thread_local io_context* running_context = nullptr;
 
 std::string io_uring_unavailable_reason(int err) {
     std::string why = "io_uring_queue_init_params";
