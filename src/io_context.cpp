@@ -278,7 +278,10 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
         // A busy-polling channel turns the loop as fast as it can; entering the kernel each
         // turn only to collect io_uring completions (DEFER_TASKRUN posts them only then)
         // would put a syscall between every two polls of the CQ. Every 16th turn is enough,
-        // and none when no request is in the kernel.
+        // and none when no request is in the kernel. The same holds for a turn that starts
+        // with coroutines ready (made ready by the previous turn's coroutines: a receiver
+        // handing a message to a sender): they run now, and the ring is looked at again
+        // within 16 such turns.
         r = 0;
     else
         r = io_uring_get_events(&ring_); // with DEFER_TASKRUN, completions need GETEVENTS
@@ -346,7 +349,7 @@ std::size_t io_context::run_once(bool block) {
     const bool spinning = pollers_ != nullptr;
     bool wait = block && ready_.empty() && !spinning && !stopped() &&
                 remote_head_.load(std::memory_order_relaxed) == nullptr;
-    submit_and_reap(wait, spinning);
+    submit_and_reap(wait, spinning || !ready_.empty());
     drain_remote();
     run_pollers();
     std::size_t n = resume_ready();
