@@ -95,6 +95,7 @@ struct config {
     unsigned chain = 16;       // rate: requests per post_send / post_recv chain
     unsigned recv_depth = 1024; // rate: receives posted at the server
     long hybrid_spin_us = 50;
+    long hybrid_spin_max_us = 0; // channel_options::hybrid_spin_max (0: fixed window)
     bool single_issuer = true; // io_context_options::single_issuer (DEFER_TASKRUN)
     bool raw = false;          // lat: plain verbs, no runtime (the harness's floor)
     unsigned timeout_s = 120;
@@ -120,6 +121,7 @@ const char* mode_name(polling_mode m) {
                  "         [--size BYTES] [--inline 0|1] [--solicited 0|1] [--recv next|await]\n"
                  "         [--send unsignaled|await|raw]\n"
                  "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
+                 "         [--hybrid-spin-max-us N]\n"
                  "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
                  "         [--ring defer|coop] [--raw 0|1] [--timeout SECONDS]\n");
     std::exit(2);
@@ -167,6 +169,7 @@ config parse(int argc, char** argv) {
         else if (a == "--chain") c.chain = static_cast<unsigned>(num());
         else if (a == "--recv-depth") c.recv_depth = static_cast<unsigned>(num());
         else if (a == "--hybrid-spin-us") c.hybrid_spin_us = num();
+        else if (a == "--hybrid-spin-max-us") c.hybrid_spin_max_us = num();
         else if (a == "--ack-batch") c.ack_batch = static_cast<unsigned>(num());
         else if (a == "--poll-batch") c.poll_batch = static_cast<unsigned>(num());
         else if (a == "--device") c.device = v;
@@ -403,7 +406,8 @@ struct side {
                              .mode = k.mode,
                              .hybrid_spin = std::chrono::microseconds(k.hybrid_spin_us),
                              .ack_batch = k.ack_batch,
-                             .poll_batch = k.poll_batch}),
+                             .poll_batch = k.poll_batch,
+                             .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us)}),
           c(ch, cq_options{.entries = k.test == test_kind::rate
                                           ? static_cast<int>(std::max(k.window, k.recv_depth)) * 2
                                           : 256,
@@ -951,7 +955,8 @@ int main(int argc, char** argv) {
                     static_cast<double>(sst.messages) / sst.seconds / 1e6);
     }
     if (cfg.mode == polling_mode::hybrid)
-        std::printf("  \"hybrid_spin_us\": %ld,\n", cfg.hybrid_spin_us);
+        std::printf("  \"hybrid_spin_us\": %ld,\n  \"hybrid_spin_max_us\": %ld,\n",
+                    cfg.hybrid_spin_us, cfg.hybrid_spin_max_us);
     std::printf("  \"ring_setup_flags\": \"0x%x\",\n", ring_flags);
     std::printf("  \"tsc_mhz\": %.1f,\n  \"steady_clock_now_ns\": %.1f,\n", tsc_per_us, now_ns);
     std::printf("  \"allocations\": %" PRIu64 ",\n  \"allocations_per_message\": %.6f,\n", allocs,

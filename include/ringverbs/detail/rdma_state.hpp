@@ -29,7 +29,8 @@ namespace ringverbs {
 enum class polling_mode {
     events, // arm the CQs and sleep until the channel's fd turns readable: no CPU when idle
     busy,   // poll every CQ every loop turn, never arm: lowest latency, one core spinning
-    hybrid, // after a completion keep polling for channel_options::hybrid_spin, then arm and sleep
+    hybrid, // after a completion keep polling for channel_options::hybrid_spin (adaptive up to
+            // hybrid_spin_max), then arm and sleep
 };
 
 struct channel_counters {
@@ -95,6 +96,7 @@ struct channel_options_data {
     std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
     std::uint32_t ack_batch = 64;
     unsigned poll_batch = 32;
+    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
 };
 
 struct channel_state {
@@ -112,6 +114,7 @@ struct channel_state {
     bool fd_ready = false;  // the fd was reported readable: drain events this turn
     bool spinning = false;  // busy, or hybrid within its spin window
     std::chrono::steady_clock::time_point last_completion{};
+    std::chrono::nanoseconds spin_window{}; // hybrid: options.hybrid_spin, or adapted
     int next_vector = 0;
     // CQs armed and not yet fired. Each raises at most one event per arm, so once this is 0
     // no event can be pending and reading the fd again would only return EAGAIN.
@@ -127,6 +130,7 @@ struct channel_state {
     channel_state& operator=(const channel_state&) = delete;
 
     void run_service() noexcept;
+    void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
     void fail(int err) noexcept;
 };
