@@ -11,7 +11,7 @@ namespace detail {
 
 
 channel_state::channel_state(io_context& c, const verbs::context& dev, channel_options_data o)
-    : ctx(&c), channel(dev), device(&dev), options(o) {
+    : ctx(&c), channel(dev), device(&dev), options(o), spin_window(o.hybrid_spin) {
     service.owner = this;
     service.priority = options.priority;
     service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
@@ -120,7 +120,9 @@ void channel_state::run_service() noexcept {
     if (!spinning) {
         if (found > 0 && options.mode == polling_mode::hybrid) {
             spinning = true;
-            last_completion = std::chrono::steady_clock::now();
+            auto now = std::chrono::steady_clock::now();
+            adapt_spin(now - last_completion);
+            last_completion = now;
             ctx->queue_poller(&service);
         }
         return;
@@ -139,7 +141,7 @@ void channel_state::run_service() noexcept {
     }
     auto now = std::chrono::steady_clock::now();
     if (found > 0) last_completion = now;
-    if (now - last_completion < options.hybrid_spin) {
+    if (now - last_completion < spin_window) {
         ctx->queue_poller(&service);
         return;
     }
@@ -161,13 +163,24 @@ void channel_state::run_service() noexcept {
     }
 }
 
+// hybrid, woken by completions after a sleep: `gap` is the time since the completion before.
+// A gap within hybrid_spin_max means the window closed just before the answer came: widen it
+// to cover twice that gap. A longer gap is idleness: back to the configured window.
+void channel_state::adapt_spin(std::chrono::nanoseconds gap) noexcept {
+    if (options.hybrid_spin_max <= options.hybrid_spin) return;
+    spin_window = gap <= options.hybrid_spin_max
+                      ? std::clamp(2 * gap, options.hybrid_spin, options.hybrid_spin_max)
+                      : options.hybrid_spin;
+}
+
 } // namespace detail
 
 channel::channel(io_context& ctx, const verbs::context& device, channel_options o)
     : state_(std::make_shared<detail::channel_state>(
           ctx, device,
           detail::channel_options_data{o.priority, o.mode, o.hybrid_spin, o.ack_batch,
-                                       o.poll_batch == 0 ? 1u : o.poll_batch})) {}
+                                       o.poll_batch == 0 ? 1u : o.poll_batch,
+                                       o.hybrid_spin_max})) {}
 
 channel::~channel() = default;
 

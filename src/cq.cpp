@@ -11,6 +11,18 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
     : channel(std::move(ch)),
       cq(*channel->device, entries, &channel->channel, comp_vector, this),
       solicited_only(solicited) {
+    unsignaled.owner = this;
+    unsignaled.on_wc = [](wr_op* op, const ibv_wc& wc, bool) noexcept {
+        if (wc.status == IBV_WC_SUCCESS) return; // a QP made with sq_sig_all
+        cq_state* self = static_cast<unsignaled_sink*>(op)->owner;
+        for (qp_state* q : self->qps) {
+            if (q->qp.qp_num() == wc.qp_num) {
+                q->note_unsignaled(wc);
+                return;
+            }
+        }
+        // The qp is gone (a flush after its teardown found nothing owed): nothing to tell.
+    };
     buffer.resize(static_cast<std::size_t>(cq.capacity()) + 1);
     channel->cqs.push_back(this);
     channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass

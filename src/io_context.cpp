@@ -16,7 +16,11 @@ namespace {
 
 // The io_context whose run_once() is on this thread's stack: push_remote() from inside it
 // needs no eventfd write, the loop looks at the queue before it sleeps.
-thread_local io_context* running_context = nullptr;
+// initial-exec: read at a fixed offset from the thread pointer instead of through
+// __tls_get_addr (the default model in a shared library), twice per loop turn. A program
+// linked with the library has it in its static TLS block; one that dlopen()s it gets these 8
+// bytes from glibc's reserve of static TLS, which exists for such variables.
+[[gnu::tls_model("initial-exec")]] thread_local io_context* running_context = nullptr;
 
 std::string io_uring_unavailable_reason(int err) {
     std::string why = "io_uring_queue_init_params";
@@ -274,7 +278,10 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
         // A busy-polling channel turns the loop as fast as it can; entering the kernel each
         // turn only to collect io_uring completions (DEFER_TASKRUN posts them only then)
         // would put a syscall between every two polls of the CQ. Every 16th turn is enough,
-        // and none when no request is in the kernel.
+        // and none when no request is in the kernel. The same holds for a turn that starts
+        // with coroutines ready (made ready by the previous turn's coroutines: a receiver
+        // handing a message to a sender): they run now, and the ring is looked at again
+        // within 16 such turns.
         r = 0;
     else
         r = io_uring_get_events(&ring_); // with DEFER_TASKRUN, completions need GETEVENTS
@@ -342,7 +349,7 @@ std::size_t io_context::run_once(bool block) {
     const bool spinning = pollers_ != nullptr;
     bool wait = block && ready_.empty() && !spinning && !stopped() &&
                 remote_head_.load(std::memory_order_relaxed) == nullptr;
-    submit_and_reap(wait, spinning);
+    submit_and_reap(wait, spinning || !ready_.empty());
     drain_remote();
     run_pollers();
     std::size_t n = resume_ready();

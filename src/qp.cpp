@@ -2,6 +2,7 @@
 
 #include <ringverbs/cm.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -12,14 +13,14 @@ namespace detail {
 
 qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
                    std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps)
-    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(pd, send_cq->cq, recv_cq->cq, caps) {
-    send_cq->qps.push_back(this);
-    if (recv_cq != send_cq) recv_cq->qps.push_back(this);
-}
+    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps)) {}
 
 qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
                    verbs::queue_pair q)
     : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(std::move(q)) {
+    sink.owner = this;
+    sink.on_wc = &qp_state::sink_completed;
+    signal_interval = std::clamp<std::uint32_t>(qp.caps().max_send_wr / 4, 1, 64);
     send_cq->qps.push_back(this);
     if (recv_cq != send_cq) recv_cq->qps.push_back(this);
 }
@@ -44,6 +45,28 @@ void qp_state::unlink(wr_op* op) noexcept {
     if (op->next) op->next->prev = op->prev;
     op->prev = op->next = nullptr;
     --pending_count;
+}
+
+void qp_state::sink_posted() noexcept {
+    if (sink_outstanding++ == 0) link(&sink);
+    else ++pending_count;
+}
+
+void qp_state::sink_completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
+    qp_state* q = static_cast<sink_op*>(op)->owner;
+    q->note_unsignaled(wc);
+    if (--q->sink_outstanding == 0) q->unlink(&q->sink);
+    else --q->pending_count;
+}
+
+void qp_state::note_unsignaled(const ibv_wc& wc) noexcept {
+    if (wc.status == IBV_WC_SUCCESS) return;
+    if (wc.status == IBV_WC_WR_FLUSH_ERR) {
+        ++counters.flushed;
+        return;
+    }
+    ++counters.failed;
+    if (!unsignaled_failure) unsignaled_failure = wc;
 }
 
 void qp_state::to_error() noexcept {
@@ -89,6 +112,7 @@ wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request&
     sge_.length = r.local.length;
     sge_.lkey = r.local.lkey;
     each_ = r.each;
+    signaled_ = r.signaled || k == kind::recv;
     if (k == kind::recv) {
         recv_chain_ = r.recv_chain;
         recv_wr_.sg_list = &sge_;
@@ -127,6 +151,7 @@ wr_awaiter::~wr_awaiter() {
 
 void wr_awaiter::post() {
     if (posted_) return;
+    if (!signaled_ && post_unsignaled()) return;
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
         ibv_send_wr* last = head;
@@ -143,6 +168,7 @@ void wr_awaiter::post() {
             if (bad != head) abandon_posted_part();
             throw_system_error(verbs::verb_errno(rc), name_);
         }
+        qp_->unsignaled_run = 0; // the signaled last request frees every slot before it
     } else {
         ibv_recv_wr* head = recv_chain_ ? recv_chain_ : &recv_wr_;
         for (ibv_recv_wr* w = head; w; w = w->next) w->wr_id = wr_id_for(this, w->next == nullptr);
@@ -155,6 +181,46 @@ void wr_awaiter::post() {
     }
     posted_ = true;
     qp_->link(this);
+}
+
+// send_options::signaled = false. Posts the request unsignaled (or, one in signal_interval,
+// signaled with the qp's sink as its wr_id) and ends the await at once: returns true. Returns
+// false without posting when the forced-signaled request is due while too many are still
+// unconfirmed: the caller then posts it signaled, awaited like any other (back pressure).
+bool wr_awaiter::post_unsignaled() {
+    qp_state& q = *qp_;
+    const bool forced = q.unsignaled_run + 1 >= q.signal_interval;
+    if (forced && q.sink_outstanding >= qp_state::max_sink_outstanding) {
+        ++q.counters.throttled;
+        return false;
+    }
+    send_wr_.send_flags &= ~unsigned{IBV_SEND_SIGNALED};
+    if (forced) {
+        send_wr_.send_flags |= IBV_SEND_SIGNALED;
+        send_wr_.wr_id = wr_id_for(&q.sink, true);
+    } else {
+        send_wr_.wr_id = wr_id_for(&q.send_cq->unsignaled, false);
+    }
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(q.qp.native(), &send_wr_, &bad);
+    if (rc != 0) throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
+    ++q.counters.unsignaled;
+    if (forced) {
+        ++q.counters.forced_signaled;
+        q.unsignaled_run = 0;
+        q.sink_posted();
+    } else {
+        ++q.unsignaled_run;
+    }
+    result_ = ibv_wc{};
+    result_.status = IBV_WC_SUCCESS;
+    result_.opcode = send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
+                         ? IBV_WC_RDMA_WRITE
+                         : IBV_WC_SEND;
+    result_.qp_num = q.qp.qp_num();
+    posted_ = true;
+    done_ = true;
+    return true;
 }
 
 void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
@@ -293,6 +359,7 @@ wr_awaiter qp::send(local_buffer data, send_options o, wait_options w) noexcept 
     r.local = data;
     r.send_flags = flags_of(o);
     r.imm = o.imm;
+    r.signaled = o.signaled;
     return {state_.get(), wr_awaiter::kind::send,
             o.imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)", r, std::move(w)};
 }
@@ -310,6 +377,7 @@ wr_awaiter qp::write(local_buffer data, remote_buffer to, send_options o, wait_o
     r.remote = to;
     r.send_flags = flags_of(o);
     r.imm = o.imm;
+    r.signaled = o.signaled;
     return {state_.get(), wr_awaiter::kind::send,
             o.imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)", r,
             std::move(w)};

@@ -28,6 +28,13 @@ struct channel_options {
     std::uint32_t ack_batch = 64;
     // Completions fetched per ibv_poll_cq call.
     unsigned poll_batch = 32;
+    // hybrid, adaptive spin: when longer than hybrid_spin, the window adapts between the two.
+    // A completion that wakes the channel within hybrid_spin_max of the one before (the peer
+    // answered just after the window closed: each round trip would cost a sleep and a
+    // wakeup) widens the window to twice that gap, at most hybrid_spin_max; a gap longer than
+    // hybrid_spin_max (idle) sets it back to hybrid_spin. So CPU is spent only while the
+    // traffic comes back within hybrid_spin_max. 0 (default): the window is hybrid_spin.
+    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
 };
 
 class cq;
@@ -52,6 +59,8 @@ public:
     int priority() const noexcept { return state_->options.priority; }
     io_context& context() const noexcept { return *state_->ctx; }
     int fd() const noexcept { return state_->channel.fd(); }
+    // hybrid: the spin window in force (hybrid_spin, or between it and hybrid_spin_max).
+    std::chrono::nanoseconds spin_window() const noexcept { return state_->spin_window; }
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
 

@@ -55,6 +55,26 @@ struct send_options {
     bool inline_data = false;              // IBV_SEND_INLINE (size <= the QP's max_inline_data)
     bool solicited = false;                // IBV_SEND_SOLICITED: wakes a solicited_only CQ
     bool fence = false;                    // IBV_SEND_FENCE
+    // false: selective signaling for one send or write. The request is posted without
+    // IBV_SEND_SIGNALED and its await ends right after ibv_post_send, without waiting for a
+    // completion (none comes unless it fails); it gives a made-up ibv_wc: status
+    // IBV_WC_SUCCESS, the opcode (IBV_WC_SEND or IBV_WC_RDMA_WRITE), qp_num, wr_id 0.
+    // - Buffers: with inline_data the bytes were copied by the post and the buffer is free at
+    //   once. Otherwise the device may still read it: leave it untouched until a LATER
+    //   signaled request on the same qp has completed (any awaited send, write, read or
+    //   atomic posted after it), or until the qp is destroyed.
+    // - Send queue: a slot is freed only by the completion of a later signaled request, so
+    //   the qp posts one in every qp::signal_interval() unsignaled requests signaled all the
+    //   same and consumes its completion itself (qp::pending() counts it, teardown waits for
+    //   it). If two of those are still unconfirmed when the next is due, that request is
+    //   posted signaled and its await waits for its completion like any other (back
+    //   pressure: a loop of unsignaled sends cannot overrun the send queue).
+    // - Errors: a post failure throws as usual. A failure found later (the request's error
+    //   completion) cannot reach the await, which is over: the QP is then in the error state,
+    //   so every later await on it fails with the flush, and qp::counters() /
+    //   qp::unsignaled_failure() tell what happened.
+    // Only for send and write; stop_token and timeout have nothing to cancel once posted.
+    bool signaled = true;
 };
 
 namespace detail {
@@ -71,6 +91,7 @@ struct wr_request {
     ibv_send_wr* send_chain = nullptr; // a user's chain instead of one request
     ibv_recv_wr* recv_chain = nullptr;
     std::span<ibv_wc> each;
+    bool signaled = true; // send_options::signaled
 };
 
 // The awaiter of one posted request or chain. Lives in the awaiting coroutine's frame; its
@@ -103,12 +124,16 @@ public:
     // stop_token start counting at co_await.
     void post();
 
-    bool await_ready() noexcept {
+    // May throw: an unsignaled request is posted here (it is done once posted, so the
+    // coroutine does not suspend).
+    bool await_ready() {
         if (cancelled_early_) return true;
-        if (!posted_ &&
-            (options_.stop.stop_requested() || qp_->send_cq->channel->ctx->shutting_down())) {
-            cancelled_early_ = true;
-            return true;
+        if (!posted_) {
+            if (options_.stop.stop_requested() || qp_->send_cq->channel->ctx->shutting_down()) {
+                cancelled_early_ = true;
+                return true;
+            }
+            if (!signaled_) post();
         }
         return posted_ && done_;
     }
@@ -123,6 +148,7 @@ private:
     void finish() noexcept;
     void resume() noexcept;
     void abandon_posted_part() noexcept;
+    bool post_unsignaled();
 
     qp_state* qp_;
     kind kind_;
@@ -146,6 +172,7 @@ private:
     bool abandoned_ = false;
     bool posted_ = false;
     bool awaiting_ = false;
+    bool signaled_ = true;
     __kernel_timespec ts_{};
     stop_gate gate_;
 };
@@ -158,7 +185,8 @@ private:
 //
 //   ibv_wc wc = co_await q.send(local_buffer(mr, bytes));
 //
-// Every posted request completes exactly once, to the coroutine that posted it. A failed
+// Every posted request completes exactly once, to the coroutine that posted it (an
+// unsignaled send or write, send_options::signaled = false, completes when posted). A failed
 // completion throws completion_error (its ibv_wc_status and ibv_wc_status_str). After a QP
 // error every pending await resumes with its flush status; none is left hanging.
 //
@@ -182,17 +210,28 @@ public:
 
     verbs::queue_pair& native_qp() noexcept { return state_->qp; }
     std::uint32_t qp_num() const noexcept { return state_->qp.qp_num(); }
-    // Requests posted through this qp whose completion has not arrived.
+    // Requests posted through this qp whose completion has not arrived (the forced-signaled
+    // ones of unsignaled sends included; unsignaled ones, which are owed none, not).
     std::size_t pending() const noexcept { return state_->pending_count; }
+    // Unsignaled sends and writes (send_options::signaled = false): one in this many is
+    // posted signaled. A quarter of the send queue's capacity, at most 64, at least 1.
+    std::uint32_t signal_interval() const noexcept { return state_->signal_interval; }
+    const qp_counters& counters() const noexcept { return state_->counters; }
+    // The first error completion (other than a flush) of an unsignaled or forced-signaled
+    // request, if one came: its await had already ended, so this is where it is reported.
+    const std::optional<ibv_wc>& unsignaled_failure() const noexcept {
+        return state_->unsignaled_failure;
+    }
     // Moves the QP to the error state: every outstanding request completes with
     // IBV_WC_WR_FLUSH_ERR. Throws std::system_error naming ibv_modify_qp.
     void to_error();
 
-    // SEND (with immediate data, inline, solicited per `o`). Gives the completion.
+    // SEND (with immediate data, inline, solicited, unsignaled per `o`). Gives the completion
+    // (for an unsignaled send: made up at post, see send_options::signaled).
     detail::wr_awaiter send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
     // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags).
     detail::wr_awaiter recv(local_buffer into, wait_options w = {}) noexcept;
-    // RDMA WRITE of `data` to `to` (with immediate data per `o`).
+    // RDMA WRITE of `data` to `to` (with immediate data, unsignaled per `o`).
     detail::wr_awaiter write(local_buffer data, remote_buffer to, send_options o = {},
                              wait_options w = {}) noexcept;
     // RDMA READ of `from` into `into`.

@@ -12,16 +12,18 @@
 //
 // lat: the client stamps the TSC just before posting each ping and reports, like ib_send_lat,
 //   half the time between consecutive posts (a round trip / 2): median ("typical"), mean, min,
-//   p99. Pings and pongs are co_await q.send(); receives are pre-posted with the verbs call and
-//   taken with co_await cq.next() (--recv next, the default), or awaited one by one with
-//   co_await q.recv() by a receiver coroutine that hands each to the sender (--recv await). In
-//   events mode the CQ is armed solicited-only and messages go out solicited (--solicited 1,
-//   the default there): the send completion of a ping then raises no event of its own and is
-//   reaped by the wakeup the pong causes, one wakeup per round trip, as in ib_send_lat -e
-//   (which signals 1 send in 100). --send unsignaled posts the sends with the verbs call,
-//   unsignaled but 1 in 32, outside the runtime's per-request model, for comparison only;
-//   --raw 1 runs the same ping-pong with plain verbs and no runtime at all (busy or events),
-//   the floor of this harness.
+//   p99. Pings and pongs are co_await q.send() with send_options::signaled = false (--send
+//   unsignaled, the default): like ib_send_lat, which signals one send in many, the await
+//   ends at the post and the qp signals one in signal_interval() itself. --send await waits
+//   for every send's own completion instead; --send raw posts the sends with the verbs call,
+//   unsignaled but 1 in 32, outside the runtime, for comparison only. Receives are pre-posted
+//   with the verbs call and taken with co_await cq.next() (--recv next, the default), or
+//   awaited one by one with co_await q.recv() by a receiver coroutine that hands each to the
+//   sender (--recv await). In events mode the CQ is armed solicited-only and messages go out
+//   solicited (--solicited 1, the default there): a send completion then raises no event of
+//   its own and is reaped by the wakeup the pong causes, one wakeup per round trip, as in
+//   ib_send_lat -e. --raw 1 runs the same ping-pong with plain verbs and no runtime at all
+//   (busy or events), the floor of this harness.
 // rate: the client keeps --window sends in flight as post_send chains of --chain requests (the
 //   last one signaled: selective signaling), the server keeps --recv-depth receives posted as
 //   post_recv chains. Messages per second are counted at the sender between the completion of
@@ -77,7 +79,7 @@ using namespace std::chrono_literals;
 
 enum class test_kind { lat, rate };
 enum class recv_style { next, await };
-enum class send_style { await, unsignaled };
+enum class send_style { await, unsignaled, raw };
 
 struct config {
     test_kind test = test_kind::lat;
@@ -88,11 +90,12 @@ struct config {
     bool inline_data = false; // perftest on rxe reports "Max inline data: 0[B]": it does not inline
     int solicited = -1;       // -1: on for lat in events mode, off otherwise
     recv_style recv = recv_style::next;
-    send_style send = send_style::await;
+    send_style send = send_style::unsignaled;
     unsigned window = 128;     // rate: sends in flight
     unsigned chain = 16;       // rate: requests per post_send / post_recv chain
     unsigned recv_depth = 1024; // rate: receives posted at the server
     long hybrid_spin_us = 50;
+    long hybrid_spin_max_us = 0; // channel_options::hybrid_spin_max (0: fixed window)
     bool single_issuer = true; // io_context_options::single_issuer (DEFER_TASKRUN)
     bool raw = false;          // lat: plain verbs, no runtime (the harness's floor)
     unsigned timeout_s = 120;
@@ -116,8 +119,9 @@ const char* mode_name(polling_mode m) {
     std::fprintf(stderr,
                  "usage: rdma_bench lat|rate [--mode events|busy|hybrid] [--iters N] [--warmup N]\n"
                  "         [--size BYTES] [--inline 0|1] [--solicited 0|1] [--recv next|await]\n"
-                 "         [--send await|unsignaled]\n"
+                 "         [--send unsignaled|await|raw]\n"
                  "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
+                 "         [--hybrid-spin-max-us N]\n"
                  "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
                  "         [--ring defer|coop] [--raw 0|1] [--timeout SECONDS]\n");
     std::exit(2);
@@ -159,11 +163,13 @@ config parse(int argc, char** argv) {
         } else if (a == "--send") {
             if (v == "await") c.send = send_style::await;
             else if (v == "unsignaled") c.send = send_style::unsignaled;
+            else if (v == "raw") c.send = send_style::raw;
             else usage();
         } else if (a == "--window") c.window = static_cast<unsigned>(num());
         else if (a == "--chain") c.chain = static_cast<unsigned>(num());
         else if (a == "--recv-depth") c.recv_depth = static_cast<unsigned>(num());
         else if (a == "--hybrid-spin-us") c.hybrid_spin_us = num();
+        else if (a == "--hybrid-spin-max-us") c.hybrid_spin_max_us = num();
         else if (a == "--ack-batch") c.ack_batch = static_cast<unsigned>(num());
         else if (a == "--poll-batch") c.poll_batch = static_cast<unsigned>(num());
         else if (a == "--device") c.device = v;
@@ -177,7 +183,7 @@ config parse(int argc, char** argv) {
         else usage();
     }
     if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
-    if (c.send == send_style::unsignaled && c.recv != recv_style::next) usage();
+    if (c.send == send_style::raw && c.recv != recv_style::next) usage();
     if (c.raw && (c.test != test_kind::lat || c.mode == polling_mode::hybrid)) usage();
     if (c.iters < 2 || c.warmup < 0 || c.size == 0 || c.size > 4096) usage();
     if (c.test == test_kind::rate) {
@@ -400,7 +406,8 @@ struct side {
                              .mode = k.mode,
                              .hybrid_spin = std::chrono::microseconds(k.hybrid_spin_us),
                              .ack_batch = k.ack_batch,
-                             .poll_batch = k.poll_batch}),
+                             .poll_batch = k.poll_batch,
+                             .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us)}),
           c(ch, cq_options{.entries = k.test == test_kind::rate
                                           ? static_cast<int>(std::max(k.window, k.recv_depth)) * 2
                                           : 256,
@@ -452,9 +459,12 @@ struct side {
                                      ls.sbuf.bytes.data(), cfg.size))
                                : ls.sbuf.at(0, cfg.size);
     }
+    // --send unsignaled: the payload is never written during the run, so a non-inline
+    // unsignaled send is safe too (its buffer is only read, and stays untouched).
     send_options lat_send_options() const {
         return send_options{.imm = {}, .inline_data = cfg.inline_data,
-                            .solicited = cfg.solicited != 0, .fence = false};
+                            .solicited = cfg.solicited != 0, .fence = false,
+                            .signaled = cfg.send != send_style::unsignaled};
     }
 
     // The client's last message: unsignaled (no completion to wait for, so nothing is left
@@ -472,8 +482,7 @@ struct side {
         q.native_qp().post_send(wr);
     }
 
-    // --send unsignaled (for comparison only: what perftest does, outside the runtime's
-    // per-request model): the send is posted with the verbs call, unsignaled but for one in
+    // --send raw (for comparison only: what perftest does, outside the runtime): the send is posted with the verbs call, unsignaled but for one in
     // 32 (to free send queue slots), and nobody awaits it; its rare completion is skipped by
     // the cq.next() consumer.
     static constexpr std::uint64_t raw_send_id = 0xffffffffu;
@@ -509,7 +518,7 @@ struct side {
             if (i == cfg.warmup) win.begin();
             ls.stamps[static_cast<std::size_t>(i)] = __rdtsc();
             ibv_wc wc;
-            if (cfg.send == send_style::await) {
+            if (cfg.send != send_style::raw) {
                 check(co_await q.send(payload, so), "ping send");
                 wc = co_await c.next();
             } else {
@@ -536,7 +545,7 @@ struct side {
             while (raw_send_done(wc));
             check(wc, "ping recv");
             q.native_qp().post_recv(ls.rwr[wc.wr_id]);
-            if (cfg.send == send_style::await) check(co_await q.send(payload, so), "pong send");
+            if (cfg.send != send_style::raw) check(co_await q.send(payload, so), "pong send");
             else post_raw_send(ls);
         }
         win.end(static_cast<std::uint64_t>(cfg.iters));
@@ -926,7 +935,9 @@ int main(int argc, char** argv) {
         std::printf("  \"raw\": %s,\n", cfg.raw ? "true" : "false");
         std::printf("  \"recv\": \"%s\",\n  \"send\": \"%s\",\n",
                     cfg.recv == recv_style::next ? "next" : "await",
-                    cfg.send == send_style::await ? "await" : "unsignaled");
+                    cfg.send == send_style::await       ? "await"
+                    : cfg.send == send_style::unsignaled ? "unsignaled"
+                                                         : "raw");
         double sum = 0;
         for (double x : samples) sum += x;
         std::printf("  \"unit\": \"us, half a round trip (as ib_send_lat)\",\n");
@@ -944,7 +955,8 @@ int main(int argc, char** argv) {
                     static_cast<double>(sst.messages) / sst.seconds / 1e6);
     }
     if (cfg.mode == polling_mode::hybrid)
-        std::printf("  \"hybrid_spin_us\": %ld,\n", cfg.hybrid_spin_us);
+        std::printf("  \"hybrid_spin_us\": %ld,\n  \"hybrid_spin_max_us\": %ld,\n",
+                    cfg.hybrid_spin_us, cfg.hybrid_spin_max_us);
     std::printf("  \"ring_setup_flags\": \"0x%x\",\n", ring_flags);
     std::printf("  \"tsc_mhz\": %.1f,\n  \"steady_clock_now_ns\": %.1f,\n", tsc_per_us, now_ns);
     std::printf("  \"allocations\": %" PRIu64 ",\n  \"allocations_per_message\": %.6f,\n", allocs,

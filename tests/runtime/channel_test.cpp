@@ -169,6 +169,47 @@ TEST_CASE("busy and hybrid channels deliver; idle events and hybrid channels sto
     }
 }
 
+TEST_CASE("adaptive hybrid: bursts with random gaps all complete, the window stays in bounds, "
+          "idle stops polling") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io,
+                channel_options{.mode = polling_mode::hybrid, .hybrid_spin = 10us,
+                                .hybrid_spin_max = 2ms});
+    region out(dev.pd, 16 * 64), in(dev.pd, 16 * 64);
+    std::mt19937 rng(777);
+    int completed = 0;
+    int expected = 0;
+    auto run_burst = [&](int n, std::uint32_t seed) -> task<void> {
+        std::vector<task<bool>> ex;
+        for (int i = 0; i < n; ++i)
+            ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48,
+                                  seed + static_cast<std::uint32_t>(i)));
+        for (bool ok : co_await when_all(std::move(ex))) completed += ok ? 1 : 0;
+    };
+    for (int b = 0; b < 200; ++b) {
+        int n = 1 + static_cast<int>(rng() % 16);
+        expected += n;
+        io.run(run_burst(n, static_cast<std::uint32_t>(b) * 100));
+        // Gaps below and above the window: it widens, and sleeps still find every completion.
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400));
+        CHECK(lp.ch.spin_window() >= 10us);
+        CHECK(lp.ch.spin_window() <= 2ms);
+    }
+    CHECK(completed == expected);
+    CHECK(lp.a.pending() == 0);
+    CHECK(lp.b.pending() == 0);
+    // Idle for longer than hybrid_spin_max: the channel arms and stops polling.
+    auto idle = [&]() -> task<void> { co_await sleep_for(io, 10ms); };
+    io.run(idle());
+    auto polls_before = lp.ch.counters().polls;
+    auto t = [&]() -> task<void> { co_await sleep_for(io, 50ms); };
+    io.run(t());
+    CHECK(lp.ch.counters().polls == polls_before);
+    MESSAGE("window after the bursts: " << lp.ch.spin_window().count() << " ns, "
+                                        << lp.ch.counters().wakeups << " wakeups");
+}
+
 TEST_CASE("two threads, each with its own io_context, channel and CQs") {
     device dev;
     constexpr int per_thread = 2000;

@@ -265,3 +265,235 @@ TEST_CASE("destroying a qp with pending receives resumes every awaiter with the 
     io.run();
     CHECK(flushed == 8);
 }
+
+// --- unsignaled sends (send_options::signaled = false) ---------------------------------------
+
+namespace {
+
+constexpr send_options unsignaled_inline{.imm = {}, .inline_data = true, .solicited = false,
+                                         .fence = false, .signaled = false};
+
+// A message's bytes: its sequence number, then a pattern made from it.
+void stamp(std::span<std::byte> s, std::uint32_t seq) {
+    std::memcpy(s.data(), &seq, sizeof seq);
+    fill(s.subspan(sizeof seq), seq);
+}
+bool stamped(std::span<const std::byte> s, std::uint32_t seq) {
+    std::vector<std::byte> want(s.size());
+    stamp(want, seq);
+    return std::memcmp(want.data(), s.data(), s.size()) == 0;
+}
+
+// Two connected QPs where `a` can be destroyed on its own; `b` posts no receive unless a test
+// does, so a's sends stay outstanding (RNR retried for ever: rnr_retry 7) until a's QP fails.
+struct detachable_pair {
+    channel ch;
+    cq cq_a;
+    cq cq_b;
+    std::unique_ptr<qp> a;
+    qp b;
+    detachable_pair(device& d, io_context& io)
+        : ch(io, d.ctx), cq_a(ch), cq_b(ch),
+          a(std::make_unique<qp>(d.pd, cq_a, cq_a,
+                                 verbs::qp_caps{.max_send_wr = 256, .max_recv_wr = 16,
+                                                .max_send_sge = 1, .max_recv_sge = 1,
+                                                .max_inline_data = 64})),
+          b(d.pd, cq_b, cq_b) {
+        verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,
+                                rdma_device().gid_index, all_remote);
+    }
+};
+
+} // namespace
+
+TEST_CASE("unsignaled sends interleaved with signaled ones: every message arrives, in order") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    constexpr std::uint32_t total = 3000;
+    constexpr std::uint32_t every = 100; // one signaled, awaited send in this many
+    constexpr std::size_t size = 48;
+    constexpr unsigned slots = 128;      // receives kept posted at b (> every: no RNR)
+    region rbuf(dev.pd, slots * size), sbuf(dev.pd, size);
+    REQUIRE(lp.a.signal_interval() == 64);
+    ibv_sge rsge[slots];
+    ibv_recv_wr rwr[slots]{};
+    for (unsigned i = 0; i < slots; ++i) {
+        auto l = rbuf.local(i * size, size);
+        rsge[i] = {reinterpret_cast<std::uintptr_t>(l.addr), l.length, l.lkey};
+        rwr[i].wr_id = i; // untagged: taken with cq_b.next()
+        rwr[i].sg_list = &rsge[i];
+        rwr[i].num_sge = 1;
+        lp.b.native_qp().post_recv(rwr[i]);
+    }
+    long in_order = 0;
+    long bad = 0;
+    auto receiver = [&]() -> task<void> {
+        for (std::uint32_t seq = 0; seq < total; ++seq) {
+            ibv_wc wc = co_await lp.cq_b.next();
+            auto slot = static_cast<std::size_t>(wc.wr_id);
+            bool ok = wc.status == IBV_WC_SUCCESS && wc.byte_len == size &&
+                      stamped(std::span(rbuf.bytes).subspan(slot * size, size), seq);
+            ok ? ++in_order : ++bad;
+            lp.b.native_qp().post_recv(rwr[slot]);
+        }
+    };
+    long made_up_ok = 0;
+    auto sender = [&]() -> task<void> {
+        std::byte msg[size];
+        for (std::uint32_t seq = 0; seq < total; ++seq) {
+            if (seq % every == every - 1) {
+                stamp(sbuf.bytes, seq); // free again: the previous signaled send completed
+                ibv_wc wc = co_await lp.a.send(sbuf.local(0, size));
+                CHECK(wc.status == IBV_WC_SUCCESS);
+            } else {
+                stamp(msg, seq); // inline: copied by the post, reusable at once
+                ibv_wc wc = co_await lp.a.send(local_buffer::inline_data(msg), unsignaled_inline);
+                if (wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_SEND && wc.wr_id == 0 &&
+                    wc.qp_num == lp.a.qp_num())
+                    ++made_up_ok;
+            }
+        }
+    };
+    io.run(when_all(receiver(), sender()));
+    CHECK(bad == 0);
+    CHECK(in_order == total);
+    const qp_counters& k = lp.a.counters();
+    const std::uint32_t signaled = total / every;
+    CHECK(made_up_ok == total - signaled - k.throttled);
+    CHECK(k.unsignaled + k.throttled == total - signaled);
+    // Runs of 99 unsignaled sends between two signaled ones: the 64th of each is forced.
+    CHECK(k.forced_signaled == signaled);
+    CHECK(k.throttled == 0);
+    CHECK(k.flushed == 0);
+    CHECK(k.failed == 0);
+    CHECK_FALSE(lp.a.unsignaled_failure().has_value());
+    // The forced-signaled completions were consumed by the qp, none reached next().
+    CHECK(lp.cq_a.buffered() == 0);
+    CHECK(lp.cq_b.buffered() == 0);
+    // Completions on a's CQ: the awaited sends and the forced ones, nothing else.
+    CHECK(lp.cq_a.counters().completions == signaled + k.forced_signaled);
+    io.run(); // nothing owed: returns at once
+    CHECK(lp.a.pending() == 0);
+}
+
+TEST_CASE("an unsignaled write is in place once a later signaled send has completed") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region local(dev.pd, 4096), remote(dev.pd, 4096), in(dev.pd, 64), out(dev.pd, 64);
+    fill(local.bytes, 21);
+    auto receiver = [&]() -> task<ibv_wc> { co_return co_await lp.b.recv(in.all()); };
+    auto writer = [&]() -> task<void> {
+        send_options o;
+        o.signaled = false;
+        ibv_wc w = co_await lp.a.write(local.local(0, 4096), remote.remote(0), o);
+        CHECK(w.opcode == IBV_WC_RDMA_WRITE);
+        // RC delivers in order: the receive of this send completes after the write landed,
+        // and this send's completion frees `local` for reuse.
+        co_await lp.a.send(out.local(0, 8));
+    };
+    auto [rwc, unused] = io.run(when_all(receiver(), writer()));
+    (void)unused;
+    CHECK(rwc.status == IBV_WC_SUCCESS);
+    CHECK(std::memcmp(remote.bytes.data(), local.bytes.data(), 4096) == 0);
+    CHECK(lp.a.counters().unsignaled == 1);
+    CHECK(lp.a.pending() == 0);
+}
+
+TEST_CASE("destroying a qp with many unsignaled sends outstanding does not hang") {
+    device dev;
+    io_context io;
+    detachable_pair p(dev, io);
+    const std::uint32_t interval = p.a->signal_interval();
+    REQUIRE(interval == 64);
+    std::byte msg[8]{};
+    long posted = 0;
+    int flushed = 0;
+    bool finished = false;
+    // b has no receive posted: nothing completes. The sender runs until back pressure makes it
+    // await a send (the third forced-signaled one while two are unconfirmed).
+    auto sender = [&]() -> task<void> {
+        try {
+            for (int i = 0; i < 10'000; ++i) {
+                co_await p.a->send(local_buffer::inline_data(msg), unsignaled_inline);
+                ++posted;
+            }
+        } catch (const completion_error& e) {
+            if (e.status() == IBV_WC_WR_FLUSH_ERR) ++flushed;
+        }
+        finished = true;
+    };
+    io.spawn(sender());
+    io.run_once(false);
+    // 63 unsignaled, the 64th forced-signaled, twice more; the third forced one is due while
+    // two are unconfirmed: that send is awaited instead.
+    const std::uint64_t unawaited = 3 * std::uint64_t{interval} - 1;
+    CHECK(posted == static_cast<long>(unawaited));
+    CHECK(p.a->counters().unsignaled == unawaited);
+    CHECK(p.a->counters().forced_signaled == 2);
+    CHECK(p.a->counters().throttled == 1);
+    CHECK(p.a->pending() == 3); // two forced-signaled requests and the awaited one
+    CHECK_FALSE(finished);
+    p.a.reset(); // flushes and waits for every owed completion: must return
+    io.run();
+    CHECK(finished);
+    CHECK(flushed == 1);
+    CHECK(p.cq_a.buffered() == 0);
+}
+
+TEST_CASE("a QP error with unsignaled requests outstanding: no await hangs, flushes counted") {
+    device dev;
+    io_context io;
+    detachable_pair p(dev, io);
+    region in(dev.pd, 4 * 64);
+    std::byte msg[8]{};
+    int recv_flushed = 0;
+    int send_flushed = 0;
+    long posted = 0;
+    auto waiting_recv = [&](int i) -> task<void> {
+        try {
+            co_await p.a->recv(in.local(static_cast<std::size_t>(i) * 64, 64));
+        } catch (const completion_error& e) {
+            if (e.status() == IBV_WC_WR_FLUSH_ERR) ++recv_flushed;
+        }
+    };
+    auto sender = [&]() -> task<void> {
+        try {
+            for (int i = 0; i < 10'000; ++i) {
+                co_await p.a->send(local_buffer::inline_data(msg), unsignaled_inline);
+                ++posted;
+            }
+        } catch (const completion_error& e) {
+            if (e.status() == IBV_WC_WR_FLUSH_ERR) ++send_flushed;
+        }
+    };
+    for (int i = 0; i < 4; ++i) io.spawn(waiting_recv(i));
+    io.spawn(sender());
+    io.run_once(false);
+    CHECK(p.a->pending() == 4 + 3);
+    p.a->to_error();
+    io.run(); // every await resumes with its flush
+    CHECK(recv_flushed == 4);
+    CHECK(send_flushed == 1);
+    const qp_counters& k = p.a->counters();
+    CHECK(static_cast<long>(k.unsignaled) == posted);
+    // Each forced-signaled request is owed its flush; rxe also completes every flushed
+    // unsignaled request (with the CQ's sink as wr_id): all of them are counted, none is
+    // handed to next().
+    CHECK(k.flushed == k.unsignaled);
+    CHECK(k.failed == 0);
+    CHECK(p.a->pending() == 0);
+    CHECK(p.cq_a.buffered() == 0);
+    // A send after the error fails at once or with its flush; it never hangs.
+    auto late = [&]() -> task<bool> {
+        try {
+            co_await p.a->send(local_buffer::inline_data(msg), unsignaled_inline);
+            co_await p.a->send(local_buffer::inline_data(msg));
+        } catch (const std::exception&) {
+            co_return true;
+        }
+        co_return false;
+    };
+    CHECK(io.run(late()));
+}

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace ringverbs {
@@ -28,7 +29,8 @@ namespace ringverbs {
 enum class polling_mode {
     events, // arm the CQs and sleep until the channel's fd turns readable: no CPU when idle
     busy,   // poll every CQ every loop turn, never arm: lowest latency, one core spinning
-    hybrid, // after a completion keep polling for channel_options::hybrid_spin, then arm and sleep
+    hybrid, // after a completion keep polling for channel_options::hybrid_spin (adaptive up to
+            // hybrid_spin_max), then arm and sleep
 };
 
 struct channel_counters {
@@ -49,6 +51,23 @@ struct cq_counters {
     std::uint64_t polls = 0;
     std::uint64_t empty_polls = 0;
     std::uint64_t completions = 0;
+};
+
+// What became of a qp's unsignaled sends and writes (send_options::signaled = false).
+struct qp_counters {
+    // Posted without a completion to wait for: their awaits ended right after posting.
+    std::uint64_t unsignaled = 0;
+    // Of those, posted signaled all the same (one in signal_interval(), so that the send queue
+    // slots of the ones before are freed); the qp consumes their completions itself.
+    std::uint64_t forced_signaled = 0;
+    // Asked to be unsignaled but posted signaled and awaited like any other request, because
+    // too many unsignaled ones were not yet confirmed by a completion (back pressure).
+    std::uint64_t throttled = 0;
+    // Completions with IBV_WC_WR_FLUSH_ERR of unsignaled or forced-signaled requests (the QP
+    // went to the error state while they were outstanding).
+    std::uint64_t flushed = 0;
+    // Completions with any other error status of unsignaled or forced-signaled requests.
+    std::uint64_t failed = 0;
 };
 
 namespace detail {
@@ -77,6 +96,7 @@ struct channel_options_data {
     std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
     std::uint32_t ack_batch = 64;
     unsigned poll_batch = 32;
+    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
 };
 
 struct channel_state {
@@ -94,6 +114,7 @@ struct channel_state {
     bool fd_ready = false;  // the fd was reported readable: drain events this turn
     bool spinning = false;  // busy, or hybrid within its spin window
     std::chrono::steady_clock::time_point last_completion{};
+    std::chrono::nanoseconds spin_window{}; // hybrid: options.hybrid_spin, or adapted
     int next_vector = 0;
     // CQs armed and not yet fired. Each raises at most one event per arm, so once this is 0
     // no event can be pending and reading the fd again would only return EAGAIN.
@@ -109,11 +130,20 @@ struct channel_state {
     channel_state& operator=(const channel_state&) = delete;
 
     void run_service() noexcept;
+    void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
     void fail(int err) noexcept;
 };
 
 struct cq_state {
+    // The wr_id of every unsignaled request whose send queue completes here: such a request
+    // produces a completion only when it fails or is flushed, possibly after its qp is gone,
+    // so the wr_id names this object, which lives as long as the CQ itself. It counts the
+    // failure on the qp (found by qp_num) when that qp is still there.
+    struct unsignaled_sink : wr_op {
+        cq_state* owner = nullptr;
+    };
+
     std::shared_ptr<channel_state> channel;
     verbs::completion_queue cq;
     bool solicited_only = false;
@@ -127,6 +157,7 @@ struct cq_state {
     std::size_t head = 0;
     std::size_t count = 0;
     std::vector<qp_state*> qps; // QPs using this CQ (raw: each removes itself)
+    unsignaled_sink unsignaled;
 
     cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited);
     ~cq_state();
@@ -142,12 +173,29 @@ struct cq_state {
 };
 
 struct qp_state {
+    // The wr_id of the signaled request posted every signal_interval unsignaled ones. Each
+    // such request is owed a completion like an awaited one: counted in pending_count, the
+    // sink sits in the pending list while any is outstanding, and teardown waits for them.
+    struct sink_op : wr_op {
+        qp_state* owner = nullptr;
+    };
+    // How many forced-signaled requests may be unconfirmed before the next one is awaited
+    // instead (throttled): bounds the send queue slots held by unsignaled requests to about
+    // (max_sink_outstanding + 1) * signal_interval.
+    static constexpr std::size_t max_sink_outstanding = 2;
+
     std::shared_ptr<cq_state> send_cq;
     std::shared_ptr<cq_state> recv_cq;
     verbs::queue_pair qp;
     wr_op* pending = nullptr; // requests owed a completion (intrusive list)
     std::size_t pending_count = 0;
     bool in_error = false;
+    sink_op sink;
+    std::size_t sink_outstanding = 0;   // forced-signaled requests owed a completion
+    std::uint32_t signal_interval = 1;  // at least one signaled in this many unsignaled
+    std::uint32_t unsignaled_run = 0;   // unsignaled posted since the last signaled one
+    qp_counters counters;
+    std::optional<ibv_wc> unsignaled_failure; // the first non-flush failure of one of them
 
     qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
              std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps);
@@ -159,6 +207,11 @@ struct qp_state {
 
     void link(wr_op* op) noexcept;
     void unlink(wr_op* op) noexcept;
+    // A forced-signaled request was posted / its completion arrived.
+    void sink_posted() noexcept;
+    static void sink_completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
+    // Counts the completion of an unsignaled or forced-signaled request.
+    void note_unsignaled(const ibv_wc& wc) noexcept;
     // Moves the QP to the error state (flushing every outstanding request). Never throws:
     // a failure is reported on stderr and the flush is then forced at teardown.
     void to_error() noexcept;
