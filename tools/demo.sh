@@ -1,32 +1,49 @@
 #!/usr/bin/env bash
-# The ringverbs demo. Installs what is missing first (as root on Debian 12), builds, runs.
+# The ringverbs demo: the rdma_cm echo server and its client (examples/echo_server.cpp,
+# examples/echo_client.cpp). Installs what is missing first (as root on Debian 12), builds,
+# and runs both where a real RDMA device exists: directly, or in one Soft-RoCE VM boot
+# (tools/softroce-vm) when the host has none.
 #
 #   tools/demo.sh
 #
-# 1. examples/tcp_echo on the host: an echo server and clients as coroutines on one
-#    io_context over TCP on 127.0.0.1, every byte verified (the engine alone).
-# 2. examples/rdma_pingpong where a real RDMA device exists (tools/softroce-vm: directly, or
-#    Soft-RoCE in a QEMU VM when the host has none): two RC queue pairs exchange messages,
-#    every send and receive a co_await resumed by its own completion, in the events and
-#    hybrid polling modes.
-# (The rdma_cm echo server and client replace step 2 when they land.)
+# The client sends messages with SEND, the server sends each back with SEND, the client checks
+# every byte: one connection in ping-pong (events mode), then 16 connections with 4 messages in
+# flight each (hybrid mode). Prints messages and bytes verified, throughput, p50/p99 latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = --inside ]; then # where the device is
+    addr=${RINGVERBS_ADDR:?RINGVERBS_ADDR: the device address}
+    log=build/demo-server.log
+    build/examples/echo_server --address "$addr" --port 18515 > "$log" 2>&1 &
+    server=$!
+    for _ in $(seq 100); do grep -q listening "$log" && break; sleep 0.1; done
+    head -1 "$log"
+    rc=0
+    echo
+    echo "--- 1 connection, ping-pong, 64-byte messages, events mode"
+    build/examples/echo_client --address "$addr" --count 5000 --size 64 --mode events | sed 's/^echo_client: /  /' || rc=1
+    echo
+    echo "--- 16 connections, 4 messages in flight each, 1 KiB messages, hybrid mode"
+    build/examples/echo_client --address "$addr" --clients 16 --inflight 4 --count 2000 --size 1024 --mode hybrid \
+        | sed 's/^echo_client: /  /' || rc=1
+    kill -TERM "$server"
+    wait "$server" || rc=1
+    echo
+    tail -1 "$log"
+    exit $rc
+fi
+
 bash tools/lib/install-deps.sh
 if [ ! -f build/build.ninja ]; then
     meson setup build --buildtype=debugoptimized
 fi
-ninja -C build examples/tcp_echo examples/rdma_pingpong
+ninja -C build examples/echo_server examples/echo_client
 echo
-echo "=== engine: TCP echo on 127.0.0.1"
-build/examples/tcp_echo --clients 8 --messages 20000 --size 64
-echo
-echo "=== RDMA: ping-pong over RC queue pairs (Soft-RoCE VM when there is no device)"
+echo "=== ringverbs demo: echo over RDMA (rdma_cm, RC SEND/RECV; Soft-RoCE VM when there is no device)"
 rc=0
-tools/softroce-vm -t 600 -- sh -c '
-    build/examples/rdma_pingpong --mode events --messages 5000 --size 64 &&
-    build/examples/rdma_pingpong --mode hybrid --messages 5000 --size 64' || rc=$?
+tools/softroce-vm -t 600 -- bash tools/demo.sh --inside || rc=$?
 if [ "$rc" -eq 77 ]; then
-    echo "demo: no RDMA device and no Soft-RoCE VM here: the RDMA part was SKIPPED" >&2
+    echo "demo: no RDMA device and no Soft-RoCE VM here: SKIPPED" >&2
 fi
 exit "$rc"
