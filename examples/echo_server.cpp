@@ -272,16 +272,16 @@ int main(int argc, char** argv) {
         } catch (const std::system_error& e) {
             throw std::runtime_error("cannot listen on " + echo::text_of(reinterpret_cast<const sockaddr*>(&at)) + ": " + e.what());
         }
-        std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
-                    echo::text_of(reinterpret_cast<const sockaddr*>(&at)).c_str(), cfg.max_size, cfg.depth,
-                    echo::mode_name(cfg.mode));
-        std::fflush(stdout);
         // Bound to one device's address: its PD and channel now, so the first client waits less.
         if (listener.native()->verbs != nullptr) {
             verbs::context ctx = listener.device();
             auto& dev = s.devices[ctx.native()];
             dev = std::make_unique<device_resources>(io, std::move(ctx), cfg.mode);
         }
+        std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
+                    echo::text_of(reinterpret_cast<const sockaddr*>(&at)).c_str(), cfg.max_size, cfg.depth,
+                    echo::mode_name(cfg.mode));
+        std::fflush(stdout);
         io.spawn(watch_signals(s, signals));
         io.spawn(accept_loop(s, listener));
         io.run(); // until a signal: the accept loop, then every connection, then the signal watch end
