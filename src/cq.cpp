@@ -1,5 +1,7 @@
 #include <ringverbs/cq.hpp>
 
+#include <ringverbs/detail/object_registry.hpp>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -37,9 +39,17 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
             throw;
         }
     }
+    try {
+        register_object(cq.native(), this); // for device_events' routing
+    } catch (...) {
+        set_armed(false);
+        std::erase(channel->cqs, this);
+        throw;
+    }
 }
 
 cq_state::~cq_state() {
+    unregister_object(cq.native());
     set_armed(false);
     std::erase(channel->cqs, this);
     std::erase(channel->fired, this);

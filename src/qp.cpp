@@ -1,5 +1,7 @@
 #include <ringverbs/qp.hpp>
 
+#include <ringverbs/detail/object_registry.hpp>
+
 #include <ringverbs/cm.hpp>
 
 #include <algorithm>
@@ -23,9 +25,17 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
     signal_interval = std::clamp<std::uint32_t>(qp.caps().max_send_wr / 4, 1, 64);
     send_cq->qps.push_back(this);
     if (recv_cq != send_cq) recv_cq->qps.push_back(this);
+    try {
+        register_object(qp.native(), this); // for device_events' routing
+    } catch (...) {
+        std::erase(send_cq->qps, this);
+        std::erase(recv_cq->qps, this);
+        throw;
+    }
 }
 
 qp_state::~qp_state() {
+    unregister_object(qp.native());
     drain_for_teardown();
     std::erase(send_cq->qps, this);
     std::erase(recv_cq->qps, this);

@@ -149,6 +149,8 @@ struct cq_state {
     bool solicited_only = false;
     bool armed = false;
     bool closed = false; // the user's cq handle is gone: next() consumers are no more
+    int error = 0;                    // EIO after IBV_EVENT_CQ_ERR (device_events): dead
+    const char* error_what = nullptr; // the event's name
     cq_counters counters;
     waiter_queue waiters;
     // Completions nobody waits for yet, for next(). A ring with the CQ's capacity, grown
@@ -190,6 +192,9 @@ struct qp_state {
     wr_op* pending = nullptr; // requests owed a completion (intrusive list)
     std::size_t pending_count = 0;
     bool in_error = false;
+    // An async error event named this QP (device_events): QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
+    bool async_failed = false;
+    ibv_event_type async_error{};
     sink_op sink;
     std::size_t sink_outstanding = 0;   // forced-signaled requests owed a completion
     std::uint32_t signal_interval = 1;  // at least one signaled in this many unsignaled
