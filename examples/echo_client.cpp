@@ -159,7 +159,10 @@ task<void> connection(client& cl, int number) {
     } catch (const std::system_error& e) {
         throw std::runtime_error("cannot connect to " + where + ": " + e.what());
     }
-    const std::uint32_t server_max = ntohl(hello.max_size);
+    const std::uint32_t server_max = ntohl(hello.max_size), server_depth = ntohl(hello.depth);
+    if (server_depth != 0 && window > server_depth)
+        std::fprintf(stderr, "echo_client: connection %d: --inflight %u exceeds the %u receives the server posts: "
+                             "receiver-not-ready retries will slow it down a lot\n", number, window, server_depth);
     if (server_max != 0 && size > server_max)
         std::fprintf(stderr, "echo_client: connection %d: --size %u exceeds the %u bytes the server takes: "
                              "it will close the connection\n", number, size, server_max);

@@ -15,6 +15,7 @@
 #include <ringverbs/channel.hpp>
 #include <ringverbs/cm.hpp>
 #include <ringverbs/cq.hpp>
+#include <ringverbs/device_events.hpp>
 #include <ringverbs/qp.hpp>
 
 #include <arpa/inet.h>
@@ -50,13 +51,15 @@ struct config {
     polling_mode mode = polling_mode::events;
 };
 
-// What connections of one device share: its protection domain and completion channel.
+// What connections of one device share: its protection domain, completion channel, and the
+// watch on its asynchronous events (a port going down, a CQ overrun, a fatal QP error).
 struct device_resources {
     verbs::context ctx;
     verbs::protection_domain pd{ctx};
     channel events;
+    device_events async;
     device_resources(io_context& io, verbs::context c, polling_mode mode)
-        : ctx(std::move(c)), events(io, ctx, channel_options{.mode = mode}) {}
+        : ctx(std::move(c)), events(io, ctx, channel_options{.mode = mode}), async(io, ctx) {}
 };
 
 struct server {
@@ -198,6 +201,32 @@ task<void> serve(server& s, device_resources& dev, cm_id id, int number) {
     std::fflush(stdout);
 }
 
+// Logs the device's asynchronous events until the server stops. The runtime has already
+// routed each one (a CQ overrun fails that CQ, a fatal QP error flushes that QP), so the
+// connection concerned ends on its own.
+task<void> log_device_events(server& s, device_resources& dev) {
+    for (;;) {
+        async_event e;
+        try {
+            e = co_await dev.async.next(wait_options(s.stopping.get_token()));
+        } catch (const std::system_error&) {
+            co_return; // shutting down
+        }
+        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(dev.ctx.name().size()), dev.ctx.name().data(),
+                    e.name(), e.routed ? " (its connection is closed)" : "");
+        std::fflush(stdout);
+    }
+}
+
+device_resources& resources_for(server& s, verbs::context ctx) {
+    auto& dev = s.devices[ctx.native()];
+    if (!dev) {
+        dev = std::make_unique<device_resources>(s.io, std::move(ctx), s.cfg.mode);
+        s.io.spawn(log_device_events(s, *dev));
+    }
+    return *dev;
+}
+
 task<void> accept_loop(server& s, cm_id& listener) {
     for (int number = 1;; ++number) {
         std::optional<cm_id> c;
@@ -215,9 +244,7 @@ task<void> accept_loop(server& s, cm_id& listener) {
             c->reject();
             continue;
         }
-        auto& dev = s.devices[ctx.native()];
-        if (!dev) dev = std::make_unique<device_resources>(s.io, std::move(ctx), s.cfg.mode);
-        s.io.spawn(serve(s, *dev, std::move(*c), number));
+        s.io.spawn(serve(s, resources_for(s, std::move(ctx)), std::move(*c), number));
     }
 }
 
@@ -273,11 +300,7 @@ int main(int argc, char** argv) {
             throw std::runtime_error("cannot listen on " + echo::text_of(reinterpret_cast<const sockaddr*>(&at)) + ": " + e.what());
         }
         // Bound to one device's address: its PD and channel now, so the first client waits less.
-        if (listener.native()->verbs != nullptr) {
-            verbs::context ctx = listener.device();
-            auto& dev = s.devices[ctx.native()];
-            dev = std::make_unique<device_resources>(io, std::move(ctx), cfg.mode);
-        }
+        if (listener.native()->verbs != nullptr) resources_for(s, listener.device());
         std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
                     echo::text_of(reinterpret_cast<const sockaddr*>(&at)).c_str(), cfg.max_size, cfg.depth,
                     echo::mode_name(cfg.mode));

@@ -135,9 +135,8 @@ void device_events::state::route(async_event& e) noexcept {
         detail::with_object(e.cq, [&](detail::cq_state& c) {
             if (c.channel->ctx != ctx) return; // another thread's: next() only
             e.routed = true;
-            c.error = EIO;
-            c.error_what = "IBV_EVENT_CQ_ERR";
-            c.fail_waiters(EIO);
+            c.error = EOVERFLOW;
+            c.fail_waiters(EOVERFLOW);
             for (detail::qp_state* q : c.qps) q->to_error();
         });
     } else if (e.qp && (e.type == IBV_EVENT_QP_FATAL || e.type == IBV_EVENT_QP_REQ_ERR ||

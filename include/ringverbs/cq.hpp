@@ -14,7 +14,6 @@
 #include <cstddef>
 #include <memory>
 #include <span>
-#include <string>
 
 namespace ringverbs {
 
@@ -49,8 +48,8 @@ public:
     // co_await cq.next(): the next completion, without suspending when one is ready. A failed
     // completion is returned as it is (check wc.status): next() does not know who posted it.
     // Errors: std::system_error "cq::next" with timed_out, operation_canceled (stop_token, or
-    // the cq was destroyed), the errno of a failed channel, or EIO ("cq::next: IBV_EVENT_CQ_ERR")
-    // once the CQ overran (reported by device_events).
+    // the cq was destroyed), the errno of a failed channel, or EOVERFLOW ("cq::next:
+    // IBV_EVENT_CQ_ERR") once the CQ overran (reported by device_events).
     auto next(wait_options options = {}) noexcept;
 
     // co_await cq.next_batch(out): one or more completions (up to out.size()), waiting for the
@@ -87,12 +86,10 @@ private:
         }
         std::size_t take() {
             int err = decided() ? error() : 0;
+            // (No access to *s once decided with an error: the cq may be gone.)
             if (n == 0 && err == 0) err = s->closed ? ECANCELED : s->error != 0 ? s->error : s->channel->error;
-            if (err != 0) {
-                if (s->error_what != nullptr && err == s->error)
-                    throw_system_error(err, std::string("cq::next: ") + s->error_what);
-                throw_system_error(err, "cq::next");
-            }
+            if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
+            if (err != 0) throw_system_error(err, "cq::next");
             while (n < capacity && s->pop(out[n])) ++n;
             return n;
         }

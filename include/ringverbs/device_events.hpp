@@ -48,7 +48,8 @@ struct device_events_counters {
 // ibv_context (an ibv_context reports only its own objects: give each thread its own context
 // when several threads own CQs and QPs):
 // - IBV_EVENT_CQ_ERR (the CQ overran: completions are lost): the cq's next() waiters resume
-//   with std::system_error(EIO) "cq::next: IBV_EVENT_CQ_ERR", and so does every later next();
+//   with std::system_error(EOVERFLOW) "cq::next: IBV_EVENT_CQ_ERR", and so does every later
+//   next() once the completions polled before are taken;
 //   every qp using that CQ is moved to the error state.
 // - IBV_EVENT_QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR: the qp is moved to the error state (if the
 //   device has not), so its pending awaits resume with their flush completions.

@@ -185,6 +185,21 @@ def case_oversized():
         check(s.stop() == 0, "server exit status")
 
 
+def case_flood():
+    """A client keeping 4x more messages in flight than the server posts receives (RNR flow
+    control: slow on rxe, hence few messages) next to a polite one: both get every message back,
+    verified."""
+    s = Server(19008, "--depth", "16")
+    try:
+        polite = start_client(s.port, "--count", "2000", "--size", "512")
+        rc, out, err = client(s.port, "--count", "400", "--inflight", "64", "--size", "1024")
+        print(out + err, end="")
+        check(rc == 0 and verified(out)[0] == 400, f"flooding client ({rc})")
+        check(polite.wait(600) == 0 and verified(text_of(polite))[0] == 2000, "polite client:\n" + text_of(polite))
+    finally:
+        check(s.stop() == 0, "server exit status")
+
+
 def case_refused_unreachable_no_device():
     """Clear errors: nothing listens, no route, no such device, address in use, bad options."""
     rc, out, err = client(19004, "--count", "1")

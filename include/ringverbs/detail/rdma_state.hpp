@@ -149,8 +149,7 @@ struct cq_state {
     bool solicited_only = false;
     bool armed = false;
     bool closed = false; // the user's cq handle is gone: next() consumers are no more
-    int error = 0;                    // EIO after IBV_EVENT_CQ_ERR (device_events): dead
-    const char* error_what = nullptr; // the event's name
+    int error = 0; // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     cq_counters counters;
     waiter_queue waiters;
     // Completions nobody waits for yet, for next(). A ring with the CQ's capacity, grown
