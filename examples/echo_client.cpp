@@ -299,13 +299,7 @@ config parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
     config cfg;
-    try {
-        cfg = parse(argc, argv);
-    } catch (const echo::usage_error& e) {
-        if (*e.what()) std::fprintf(stderr, "echo_client: %s\n", e.what());
-        std::fputs(usage, *e.what() ? stderr : stdout);
-        return *e.what() ? 2 : 0;
-    }
+    if (auto status = echo::parse_options("echo_client", usage, parse, argc, argv, cfg)) return *status;
     try {
         echo::check_device(cfg.device);
         const int signals = echo::signal_fd();

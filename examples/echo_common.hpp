@@ -15,6 +15,7 @@
 #include <stop_token>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -27,6 +28,21 @@ inline constexpr std::uint32_t default_max_size = 4096;
 struct usage_error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
+
+// Runs `parse` on the command line into `out`. Returns nothing to go on; or, after printing
+// the usage (and for a bad option the error, on stderr), the exit status: 0 for --help, 2.
+template <typename Config, typename Parse>
+std::optional<int> parse_options(const char* program, const char* usage, Parse parse, int argc, char** argv,
+                                 Config& out) {
+    try {
+        out = parse(argc, argv);
+        return std::nullopt;
+    } catch (const usage_error& e) {
+        if (*e.what()) std::fprintf(stderr, "%s: %s\n", program, e.what());
+        std::fputs(usage, *e.what() ? stderr : stdout);
+        return *e.what() ? 2 : 0;
+    }
+}
 
 inline unsigned long number(const std::string& flag, const std::string& text, unsigned long lo,
                             unsigned long hi) {

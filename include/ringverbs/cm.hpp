@@ -191,9 +191,6 @@ private:
 
     enum class step { resolve_addr, resolve_route, connect, accept };
 
-    static void detach(void* queue, detail::waiter* w) noexcept {
-        static_cast<detail::waiter_queue*>(queue)->remove(w);
-    }
     // Starts a step (the rdma_* call) and clears the previous outcome. Throws.
     static void begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
                       std::span<const std::byte> data, const cm_conn_options& conn,
@@ -227,7 +224,7 @@ private:
         }
         void await_suspend(std::coroutine_handle<> h) {
             s->op_waiters.push_back(this);
-            start(*s->channel->ctx, options, h, &s->op_waiters, &cm_id::detach);
+            start(*s->channel->ctx, options, h, &s->op_waiters, &detail::waiter_queue::detach);
         }
         std::vector<std::byte> result() { return outcome(*s, k, decided() ? error() : 0); }
     };
@@ -258,7 +255,7 @@ private:
         }
         void await_suspend(std::coroutine_handle<> h) {
             s->accept_waiters.push_back(this);
-            start(*s->channel->ctx, options, h, &s->accept_waiters, &cm_id::detach);
+            start(*s->channel->ctx, options, h, &s->accept_waiters, &detail::waiter_queue::detach);
         }
         cm_id await_resume() {
             int err = decided() ? error() : 0;
@@ -285,7 +282,7 @@ private:
         }
         void await_suspend(std::coroutine_handle<> h) {
             s->disc_waiters.push_back(this);
-            start(*s->channel->ctx, options, h, &s->disc_waiters, &cm_id::detach);
+            start(*s->channel->ctx, options, h, &s->disc_waiters, &detail::waiter_queue::detach);
         }
         void await_resume() {
             int err = decided() ? error() : 0;

@@ -109,7 +109,7 @@ private:
         }
         void await_suspend(std::coroutine_handle<> h) {
             s->waiters.push_back(this);
-            start(*s->ctx, options, h, &s->waiters, &device_events::detach);
+            start(*s->ctx, options, h, &s->waiters, &detail::waiter_queue::detach);
         }
         async_event await_resume() {
             int err = decided() ? error() : 0;
@@ -118,9 +118,6 @@ private:
         }
     };
 
-    static void detach(void* queue, detail::waiter* w) noexcept {
-        static_cast<detail::waiter_queue*>(queue)->remove(w);
-    }
 
     std::unique_ptr<state> state_;
 };

@@ -19,32 +19,19 @@ void register_object(ibv_qp* qp, qp_state* s);
 void unregister_object(ibv_cq* cq) noexcept;
 void unregister_object(ibv_qp* qp) noexcept;
 
-// Calls fn(state) under the registry's lock when the object is ours and lives, and returns
-// true; the state cannot be destroyed meanwhile. fn must not create or destroy runtime objects.
-template <typename Fn>
-bool with_object(ibv_cq* cq, Fn&& fn);
-template <typename Fn>
-bool with_object(ibv_qp* qp, Fn&& fn);
-
 // The lock and lookups behind with_object.
 void lock_registry() noexcept;
 void unlock_registry() noexcept;
 cq_state* find_object(ibv_cq* cq) noexcept;
 qp_state* find_object(ibv_qp* qp) noexcept;
 
-template <typename Fn>
-bool with_object(ibv_cq* cq, Fn&& fn) {
+// Calls fn(state) under the registry's lock when `object` (an ibv_cq* or ibv_qp*) is ours and
+// lives, and returns true; the state cannot be destroyed meanwhile. fn must not create or
+// destroy runtime objects.
+template <typename Object, typename Fn>
+bool with_object(Object* object, Fn&& fn) {
     lock_registry();
-    cq_state* s = find_object(cq);
-    if (s) fn(*s);
-    unlock_registry();
-    return s != nullptr;
-}
-
-template <typename Fn>
-bool with_object(ibv_qp* qp, Fn&& fn) {
-    lock_registry();
-    qp_state* s = find_object(qp);
+    auto* s = find_object(object);
     if (s) fn(*s);
     unlock_registry();
     return s != nullptr;

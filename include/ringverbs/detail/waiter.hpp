@@ -133,6 +133,8 @@ public:
         if (w) remove(w);
         return w;
     }
+    // A waiter::detach_fn for waiters whose source is a waiter_queue.
+    static void detach(void* queue, waiter* w) noexcept { static_cast<waiter_queue*>(queue)->remove(w); }
     void remove(waiter* w) noexcept {
         if (w->prev) w->prev->next = w->next;
         else head_ = w->next;
