@@ -1,5 +1,7 @@
 #include <ringverbs/channel.hpp>
 
+#include <ringverbs/detail/verbs_hooks.hpp>
+
 #include <poll.h>
 
 #include <algorithm>
@@ -11,7 +13,7 @@ namespace detail {
 
 
 channel_state::channel_state(io_context& c, const verbs::context& dev, channel_options_data o)
-    : ctx(&c), channel(dev), device(&dev), options(o), spin_window(o.hybrid_spin) {
+    : ctx(&c), channel(dev), device(dev.handle()), options(o), spin_window(o.hybrid_spin) {
     service.owner = this;
     service.priority = options.priority;
     service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
@@ -50,14 +52,13 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
     const std::size_t batch = std::min<std::size_t>(options.poll_batch, 64);
     std::size_t total = 0;
     for (;;) {
-        std::size_t n = 0;
-        try {
-            n = c.cq.poll(std::span<ibv_wc>(wcs, batch));
-        } catch (const std::system_error& e) {
-            std::fprintf(stderr, "ringverbs: %s\n", e.what());
-            c.fail_waiters(e.code().value());
+        const int got = hooks().poll_cq(c.cq.native(), static_cast<int>(batch), wcs);
+        if (got < 0) [[unlikely]] {
+            std::fprintf(stderr, "ringverbs: ibv_poll_cq failed (the provider returned %d)\n", got);
+            c.fail_waiters(EIO);
             break;
         }
+        const auto n = static_cast<std::size_t>(got);
         ++counters.polls;
         ++c.counters.polls;
         if (n == 0) {

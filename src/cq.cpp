@@ -1,6 +1,7 @@
 #include <ringverbs/cq.hpp>
 
 #include <ringverbs/detail/object_registry.hpp>
+#include <ringverbs/detail/verbs_hooks.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -11,7 +12,7 @@ namespace detail {
 
 cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited)
     : channel(std::move(ch)),
-      cq(*channel->device, entries, &channel->channel, comp_vector, this),
+      cq(channel->device, entries, &channel->channel, comp_vector, this),
       solicited_only(solicited) {
     unsignaled.owner = this;
     unsignaled.on_wc = [](wr_op* op, const ibv_wc& wc, bool) noexcept {
@@ -58,14 +59,15 @@ cq_state::~cq_state() {
 }
 
 void cq_state::arm() noexcept {
-    try {
-        cq.req_notify(solicited_only);
+    const int rc = hooks().req_notify_cq(cq.native(), solicited_only ? 1 : 0);
+    if (rc == 0) [[likely]] {
         set_armed(true);
         ++counters.arms;
-    } catch (const std::system_error& e) {
-        std::fprintf(stderr, "ringverbs: %s\n", e.what());
-        fail_waiters(e.code().value());
+        return;
     }
+    const std::system_error e = make_system_error(verbs::verb_errno(rc), "ibv_req_notify_cq");
+    std::fprintf(stderr, "ringverbs: %s\n", e.what());
+    fail_waiters(e.code().value());
 }
 
 void cq_state::set_armed(bool on) noexcept {
@@ -121,7 +123,7 @@ cq::cq(channel& ch, cq_options o) {
     detail::channel_state& c = *ch.state_;
     int vector = o.comp_vector;
     if (vector < 0) {
-        const int n = std::max(1, c.device->num_comp_vectors());
+        const int n = std::max(1, c.device.num_comp_vectors());
         vector = c.next_vector++ % n;
     }
     state_ = std::make_shared<detail::cq_state>(ch.state_, o.entries, vector, o.solicited_only);

@@ -1,33 +1,69 @@
 #include <ringverbs/qp.hpp>
 
 #include <ringverbs/detail/object_registry.hpp>
+#include <ringverbs/detail/verbs_hooks.hpp>
 
 #include <ringverbs/cm.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <thread>
+#include <string>
 
 namespace ringverbs {
 
 namespace detail {
 
 qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
-                   std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps)
-    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps)) {}
+                   std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
+                   std::chrono::nanoseconds flush_timeout, bool overcommit)
+    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps), flush_timeout,
+               overcommit) {}
+
+namespace {
+
+// EINVAL when the QPs on `c` could hold more requests than it has entries.
+void check_commitment(const cq_state& c, std::size_t adding, const char* what) {
+    const auto capacity = static_cast<std::size_t>(c.cq.capacity());
+    if (c.committed + adding <= capacity) return;
+    throw_system_error(
+        EINVAL, "qp: its CQ has " + std::to_string(capacity) + " entries but the QPs on it could "
+                "have " + std::to_string(c.committed + adding) + " requests outstanding (this one " +
+                std::to_string(adding) + " " + what + ", the others " + std::to_string(c.committed) +
+                "): a QP error flushes them all at once and overruns it. Give the CQ more entries "
+                "(cq_options::entries) or set qp_options::allow_cq_overcommit");
+}
+
+} // namespace
 
 qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
-                   verbs::queue_pair q)
-    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(std::move(q)) {
+                   verbs::queue_pair q, std::chrono::nanoseconds timeout, bool overcommit)
+    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(std::move(q)),
+      ctx(send_cq->channel->ctx), flush_timeout(timeout) {
     sink.owner = this;
     sink.on_wc = &qp_state::sink_completed;
+    flush_timer.owner = this;
+    flush_timer.on_cqe = &qp_state::flush_timer_fired;
     signal_interval = std::clamp<std::uint32_t>(qp.caps().max_send_wr / 4, 1, 64);
+    committed_send = qp.caps().max_send_wr;
+    committed_recv = qp.caps().max_recv_wr;
+    if (!overcommit) {
+        if (send_cq == recv_cq) {
+            check_commitment(*send_cq, committed_send + committed_recv, "sends and receives");
+        } else {
+            check_commitment(*send_cq, committed_send, "sends");
+            check_commitment(*recv_cq, committed_recv, "receives");
+        }
+    }
+    send_cq->committed += committed_send;
+    recv_cq->committed += committed_recv;
     send_cq->qps.push_back(this);
     if (recv_cq != send_cq) recv_cq->qps.push_back(this);
     try {
         register_object(qp.native(), this); // for device_events' routing
     } catch (...) {
+        send_cq->committed -= committed_send;
+        recv_cq->committed -= committed_recv;
         std::erase(send_cq->qps, this);
         std::erase(recv_cq->qps, this);
         throw;
@@ -36,7 +72,10 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
 
 qp_state::~qp_state() {
     unregister_object(qp.native());
-    drain_for_teardown();
+    // release() keeps the state until nothing is owed; this is a last resort.
+    if (pending_count > 0) reset(false);
+    send_cq->committed -= committed_send;
+    recv_cq->committed -= committed_recv;
     std::erase(send_cq->qps, this);
     std::erase(recv_cq->qps, this);
 }
@@ -54,7 +93,19 @@ void qp_state::unlink(wr_op* op) noexcept {
     else pending = op->next;
     if (op->next) op->next->prev = op->prev;
     op->prev = op->next = nullptr;
-    --pending_count;
+    if (--pending_count == 0) owed_nothing();
+}
+
+void qp_state::owed_nothing() noexcept {
+    // Every flush arrived: the error state is over as far as we are concerned (the user may
+    // reset and reuse the QP; a later timeout must move it to error again).
+    in_error = false;
+    if (!flush_timer_armed) return;
+    try {
+        ctx->cancel(&flush_timer);
+    } catch (...) {
+        // The ring is unusable: the timer fires on its own and finds nothing owed.
+    }
 }
 
 void qp_state::sink_posted() noexcept {
@@ -66,7 +117,7 @@ void qp_state::sink_completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     qp_state* q = static_cast<sink_op*>(op)->owner;
     q->note_unsignaled(wc);
     if (--q->sink_outstanding == 0) q->unlink(&q->sink);
-    else --q->pending_count;
+    else --q->pending_count; // > 0: the sink itself is still owed
 }
 
 void qp_state::note_unsignaled(const ibv_wc& wc) noexcept {
@@ -80,42 +131,95 @@ void qp_state::note_unsignaled(const ibv_wc& wc) noexcept {
 }
 
 void qp_state::to_error() noexcept {
-    if (in_error) return;
+    if (!in_error) {
+        try {
+            qp.to_error();
+        } catch (const std::exception& e) {
+            // The flush timer still ends what is owed.
+            std::fprintf(stderr, "ringverbs: %s\n", e.what());
+        }
+        in_error = pending_count > 0;
+    }
+    watch_flush();
+}
+
+void qp_state::watch_flush() noexcept {
+    if (pending_count == 0 || flush_timer_armed) return;
+    if (ctx->shutting_down()) {
+        // ~io_context: no flush will be serviced any more (the channels' polls are cancelled).
+        reset(false);
+        return;
+    }
     try {
-        qp.to_error();
-        in_error = true;
+        io_uring_sqe* sqe = ctx->get_sqe();
+        flush_ts = to_kernel_timespec(flush_timeout);
+        io_uring_prep_timeout(sqe, &flush_ts, 0, 0);
+        io_uring_sqe_set_data(sqe, static_cast<operation*>(&flush_timer));
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "ringverbs: %s\n", e.what());
+        std::fprintf(stderr, "ringverbs: qp %u: no flush timer (%s): its %zu owed requests end now\n",
+                     qp.qp_num(), e.what(), pending_count);
+        reset(false);
+        return;
+    }
+    flush_timer_armed = true;
+    ctx->start_background();
+}
+
+void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
+    qp_state* self = static_cast<flush_timer_op*>(op)->owner;
+    self->flush_timer_armed = false;
+    self->ctx->finish_background();
+    if (self->pending_count > 0) {
+        if (res == -ETIME) {
+            std::fprintf(stderr, "ringverbs: qp %u: %zu requests still not flushed %lld ms after the QP "
+                                 "entered the error state: QP reset, their awaits end as never flushed\n",
+                         self->qp.qp_num(), self->pending_count,
+                         static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                    self->flush_timeout).count()));
+            self->reset(true);
+        } else if (self->ctx->shutting_down()) {
+            self->reset(false);
+        } else if (self->in_error) {
+            self->watch_flush(); // cancelled when nothing was owed; owed again since
+        }
+    }
+    if (self->keep_alive && self->pending_count == 0) {
+        std::shared_ptr<qp_state> last = std::move(self->keep_alive);
+        // `self` is freed here, with the QP.
     }
 }
 
-void qp_state::drain_for_teardown() noexcept {
-    if (pending_count == 0) return;
-    to_error();
-    // The flushes arrive on the CQs: poll them here (completions of other QPs are dispatched
-    // as usual, their coroutines resume later from the loop). Bounded: a device that never
-    // flushes must not hang the program.
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (pending_count > 0 && std::chrono::steady_clock::now() < deadline) {
-        std::size_t n = send_cq->channel->drain_cq(*send_cq);
-        if (recv_cq != send_cq) n += recv_cq->channel->drain_cq(*recv_cq);
-        if (n == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+void qp_state::reset(bool never_flushed) noexcept {
+    try {
+        qp.reset(); // from here on the device produces no completion for this QP
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "ringverbs: %s\n", e.what());
     }
-    if (pending_count > 0)
-        std::fprintf(stderr, "ringverbs: qp %u destroyed with %zu requests not flushed after 5 s; "
-                             "their awaiters resume as cancelled\n", qp.qp_num(), pending_count);
+    in_error = false;
+    // What the device delivered before the reset names live awaiters: dispatch it.
+    send_cq->channel->drain_cq(*send_cq);
+    if (recv_cq != send_cq) recv_cq->channel->drain_cq(*recv_cq);
     while (pending) {
         ibv_wc wc{};
         wc.status = IBV_WC_WR_FLUSH_ERR;
         wc.qp_num = qp.qp_num();
+        wc.vendor_err = never_flushed ? never_flushed_vendor_err : 0;
         wr_op* op = pending;
         op->on_wc(op, wc, true);
     }
 }
 
+void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
+    if (self->pending_count == 0) return; // freed with `self`
+    self->to_error();
+    if (self->pending_count == 0 || !self->flush_timer_armed) return; // ended at once
+    qp_state* s = self.get();
+    s->keep_alive = std::move(self); // until flush_timer_fired finds nothing owed
+}
+
 wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
                        wait_options options) noexcept
-    : qp_(qp), kind_(k), name_(name), options_(std::move(options)) {
+    : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
     on_wc = &wr_awaiter::completed;
     on_cqe = &wr_awaiter::timer_fired;
     sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
@@ -152,10 +256,10 @@ wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request&
 wr_awaiter::~wr_awaiter() {
     if (posted_ && !done_) {
         // Posted with post() and never awaited: the request still owns its buffer and its
-        // wr_id names this object. Flush the QP and take the completion before going.
+        // wr_id names this object. Reset the QP: nothing can name us after that.
         std::fprintf(stderr, "ringverbs: %s: a posted request was destroyed before its "
-                             "completion; the QP is moved to the error state\n", name_);
-        abandon_posted_part();
+                             "completion; qp %u is reset\n", name_, qp_->qp.qp_num());
+        abandon();
     }
 }
 
@@ -170,12 +274,18 @@ void wr_awaiter::post() {
             last = w;
         }
         last->send_flags |= IBV_SEND_SIGNALED;
+        if (qp_->send_cq->solicited_only && qp_->send_cq->channel->options.mode != polling_mode::busy)
+            throw_system_error(EINVAL, std::string(name_) +
+                                           ": the qp's send CQ is armed solicited-only, where a send "
+                                           "completion raises no event: this await could wait for "
+                                           "ever. Give the sends a CQ without "
+                                           "cq_options::solicited_only, or use busy polling");
         ibv_send_wr* bad = nullptr;
-        int rc = ibv_post_send(qp_->qp.native(), head, &bad);
+        int rc = hooks().post_send(qp_->qp.native(), head, &bad);
         if (rc != 0) {
-            // Requests before `bad` were posted and will complete against this awaiter: the
-            // only safe answer is to fail the QP and wait for their flushes.
-            if (bad != head) abandon_posted_part();
+            // Requests before `bad` were posted and would complete against this awaiter, which
+            // is about to throw: reset the QP so that none can (only what was posted is owed).
+            if (head->next != nullptr && bad != head) abandon();
             throw_system_error(verbs::verb_errno(rc), name_);
         }
         qp_->unsignaled_run = 0; // the signaled last request frees every slot before it
@@ -183,9 +293,9 @@ void wr_awaiter::post() {
         ibv_recv_wr* head = recv_chain_ ? recv_chain_ : &recv_wr_;
         for (ibv_recv_wr* w = head; w; w = w->next) w->wr_id = wr_id_for(this, w->next == nullptr);
         ibv_recv_wr* bad = nullptr;
-        int rc = ibv_post_recv(qp_->qp.native(), head, &bad);
+        int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
         if (rc != 0) {
-            if (bad != head) abandon_posted_part();
+            if (head->next != nullptr && bad != head) abandon();
             throw_system_error(verbs::verb_errno(rc), name_);
         }
     }
@@ -212,7 +322,7 @@ bool wr_awaiter::post_unsignaled() {
         send_wr_.wr_id = wr_id_for(&q.send_cq->unsignaled, false);
     }
     ibv_send_wr* bad = nullptr;
-    int rc = ibv_post_send(q.qp.native(), &send_wr_, &bad);
+    int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
     if (rc != 0) throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
     ++q.counters.unsignaled;
     if (forced) {
@@ -235,35 +345,63 @@ bool wr_awaiter::post_unsignaled() {
 
 void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
     handle_ = h;
-    io_context& ctx = *qp_->send_cq->channel->ctx;
-    post();
+    io_context& ctx = *ctx_;
+    // Everything that can throw comes before the request is posted (a throw after it would
+    // leave a posted request behind an awaiter about to go): the timer's SQE first.
+    io_uring_sqe* timer_sqe = nullptr;
+    if (options_.timeout != wait_options::no_timeout && !posted_) timer_sqe = ctx.get_sqe();
+    try {
+        post();
+    } catch (...) {
+        if (timer_sqe) {
+            io_uring_prep_nop(timer_sqe);
+            io_uring_sqe_set_data64(timer_sqe, ignored_user_data);
+        }
+        throw;
+    }
+    if (options_.timeout != wait_options::no_timeout && timer_sqe == nullptr) {
+        // Posted early with post(): the co_await can still fail to get an SQE. The request
+        // is owed a completion; abandon it as the destructor would.
+        try {
+            timer_sqe = ctx.get_sqe();
+        } catch (...) {
+            abandon();
+            throw;
+        }
+    }
     awaiting_ = true;
     ctx.add_waiter();
-    if (options_.timeout != wait_options::no_timeout) {
-        io_uring_sqe* sqe = ctx.get_sqe();
+    if (timer_sqe) {
         ts_ = to_kernel_timespec(options_.timeout);
-        io_uring_prep_timeout(sqe, &ts_, 0, 0);
-        io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
+        io_uring_prep_timeout(timer_sqe, &ts_, 0, 0);
+        io_uring_sqe_set_data(timer_sqe, static_cast<operation*>(this));
         timer_pending_ = true;
         ctx.start_operation();
     }
     gate_.arm(ctx, options_.stop, this, &wr_awaiter::on_stop, &wr_awaiter::on_resume);
 }
 
-// ibv_post_* failed at `bad`, after the requests before it were posted: they will complete
-// against this awaiter, whose co_await is about to throw. Flush the QP and take their
-// completions here, so that none arrives after the awaiter is gone.
-void wr_awaiter::abandon_posted_part() noexcept {
+// This awaiter goes while requests it posted are owed (post() failed part-way through a
+// chain, or a request posted with post() is never awaited): reset the QP, which ends every
+// owed request at once (reset(): the device's completions dispatched, the rest made up), so
+// that no completion names this object after it is gone.
+void wr_awaiter::abandon() noexcept {
     abandoned_ = true;
-    if (!posted_) qp_->link(this);
-    qp_->to_error();
-    qp_->drain_for_teardown();
+    awaiting_ = false;
+    if (!posted_) {
+        posted_ = true;
+        qp_->link(this);
+    }
+    qp_->reset(false);
 }
 
 void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     auto* self = static_cast<wr_awaiter*>(op);
     if (self->abandoned_) {
-        if (last) self->qp_->unlink(self);
+        if (last) {
+            self->done_ = true;
+            self->qp_->unlink(self);
+        }
         return;
     }
     if (self->seen_ < self->each_.size()) self->each_[self->seen_] = wc;
@@ -279,7 +417,7 @@ void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     if (!self->awaiting_) return; // posted early: the co_await will find it done
     if (self->timer_pending_) {
         try {
-            self->qp_->send_cq->channel->ctx->cancel(static_cast<operation*>(self));
+            self->ctx_->cancel(static_cast<operation*>(self));
         } catch (...) {
             // The ring is unusable: the timer still fires on its own.
         }
@@ -291,7 +429,7 @@ void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
 void wr_awaiter::timer_fired(operation* op, int, unsigned) noexcept {
     auto* self = static_cast<wr_awaiter*>(op);
     self->timer_pending_ = false;
-    self->qp_->send_cq->channel->ctx->finish_operation();
+    self->ctx_->finish_operation();
     if (!self->done_) {
         // The deadline passed: flush the QP; the flush completion resumes us.
         self->timed_out_ = true;
@@ -317,9 +455,8 @@ void wr_awaiter::finish() noexcept {
 }
 
 void wr_awaiter::resume() noexcept {
-    io_context& ctx = *qp_->send_cq->channel->ctx;
-    ctx.remove_waiter();
-    ctx.ready(handle_);
+    ctx_->remove_waiter();
+    ctx_->ready(handle_);
 }
 
 ibv_wc wr_awaiter::await_resume() {
@@ -327,27 +464,39 @@ ibv_wc wr_awaiter::await_resume() {
     gate_.disarm();
     awaiting_ = false;
     if (!failed_) return result_;
-    if (gate_.stop_won()) throw_system_error(ECANCELED, name_);
-    if (timed_out_) throw_system_error(ETIMEDOUT, name_);
+    const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
+                               first_error_.vendor_err == never_flushed_vendor_err;
+    const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
+    if (gate_.stop_won()) throw_system_error(ECANCELED, std::string(name_) + note);
+    if (timed_out_) throw_system_error(ETIMEDOUT, std::string(name_) + note);
+    if (never_flushed)
+        throw_system_error(EIO, std::string(name_) +
+                                    ": never flushed by the device: the QP was in the error state "
+                                    "for qp_options::flush_timeout with this request owed, and was "
+                                    "reset; its buffer is free again");
     throw completion_error(first_error_, name_);
 }
 
 } // namespace detail
 
-qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps)
-    : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, caps)) {}
+qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps,
+       qp_options o)
+    : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, caps,
+                                                o.flush_timeout, o.allow_cq_overcommit)) {}
 
 qp::qp(cm_id& id, const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
-       const verbs::qp_caps& caps)
+       const verbs::qp_caps& caps, qp_options o)
     : state_(std::make_shared<detail::qp_state>(
           send_cq.state_, recv_cq.state_,
-          id.create_qp(pd, send_cq.state_->cq, recv_cq.state_->cq, caps))) {}
+          id.create_qp(pd, send_cq.state_->cq, recv_cq.state_->cq, caps), o.flush_timeout,
+          o.allow_cq_overcommit)) {}
 
-qp::~qp() = default;
+qp::~qp() { detail::qp_state::release(std::move(state_)); }
 
 void qp::to_error() {
     state_->qp.to_error();
-    state_->in_error = true;
+    state_->in_error = state_->pending_count > 0;
+    state_->watch_flush();
 }
 
 using detail::wr_awaiter;

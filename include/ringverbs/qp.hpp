@@ -16,6 +16,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -77,6 +78,23 @@ struct send_options {
     bool signaled = true;
 };
 
+struct qp_options {
+    // The bounded flush. When the QP is in the error state (a timeout or stop of one of its
+    // awaits, qp::to_error(), an async error event, ~qp) and some of its requests are still
+    // owed a completion this long after, the device is taken not to deliver their flushes
+    // (Linux 6.1's rxe loses some; a CQ overrun loses them): the QP is moved to RESET, its
+    // CQs are polled once more, and each remaining await resumes with
+    // std::system_error(errc::io_error) "... never flushed by the device" (or with its own
+    // timed_out / operation_canceled when that is what moved the QP to error). Their buffers
+    // are then free: no completion can come after RESET. Connect the QP again to reuse it.
+    std::chrono::milliseconds flush_timeout = std::chrono::seconds(5);
+    // The QPs on one CQ may together have more requests outstanding than the CQ has entries
+    // (send queue capacity on the send CQ, receive queue capacity on the receive CQ): a QP
+    // error flushes all of them at once and overruns it (IBV_EVENT_CQ_ERR, completions lost).
+    // By default making such a qp throws EINVAL naming both numbers; true allows it.
+    bool allow_cq_overcommit = false;
+};
+
 namespace detail {
 
 // What to post, as the qp's calls describe it; the awaiter builds the verbs request from it.
@@ -115,7 +133,9 @@ public:
     wr_awaiter(const wr_awaiter&) = delete;
     wr_awaiter& operator=(const wr_awaiter&) = delete;
     // A request posted with post() must be awaited before the awaiter goes; if it is not,
-    // the destructor moves the QP to the error state and waits for the flush (and says so).
+    // the destructor resets the QP without waiting (no completion can name the awaiter
+    // after that; the QP's other owed requests end with a made-up IBV_WC_WR_FLUSH_ERR) and
+    // says so on stderr. Connect the QP again to reuse it.
     ~wr_awaiter();
 
     // Posts the request now instead of at co_await (pre-posting receives, pipelining):
@@ -129,7 +149,7 @@ public:
     bool await_ready() {
         if (cancelled_early_) return true;
         if (!posted_) {
-            if (options_.stop.stop_requested() || qp_->send_cq->channel->ctx->shutting_down()) {
+            if (options_.stop.stop_requested() || ctx_->shutting_down()) {
                 cancelled_early_ = true;
                 return true;
             }
@@ -147,10 +167,13 @@ private:
     static void on_resume(void* self) noexcept;
     void finish() noexcept;
     void resume() noexcept;
-    void abandon_posted_part() noexcept;
+    void abandon() noexcept;
     bool post_unsignaled();
 
+    // The qp's state is alive while this request is owed a completion (a destroyed qp keeps
+    // its state until then); once done_, only ctx_ is touched, never qp_.
     qp_state* qp_;
+    io_context* ctx_;
     kind kind_;
     ibv_send_wr send_wr_{};
     ibv_recv_wr recv_wr_{};
@@ -190,20 +213,24 @@ private:
 // completion throws completion_error (its ibv_wc_status and ibv_wc_status_str). After a QP
 // error every pending await resumes with its flush status; none is left hanging.
 //
-// Lifetime: destroying the qp moves it to the error state, waits (bounded, polling its CQs)
-// until every pending await got its flush completion, then destroys the QP: no buffer is
-// written after its awaiter resumed. Destroy before the io_context, on its thread.
+// Lifetime: destroying the qp never blocks. With requests still owed, it moves the QP to the
+// error state and its state lives on, served by the io_context, until every pending await got
+// its flush completion (or, after qp_options::flush_timeout, the QP is reset and the rest end
+// as never flushed); then the QP is destroyed. No buffer is written after its awaiter
+// resumed. Destroy before the io_context, on its thread.
 class qp {
 public:
-    // Throws std::system_error naming ibv_create_qp.
-    qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {});
+    // Throws std::system_error naming ibv_create_qp, or EINVAL when the CQs would be
+    // overcommitted (see qp_options::allow_cq_overcommit).
+    qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {},
+       qp_options options = {});
     // The QP of a connection: created with rdma_create_qp on `id` (which moves it through its
     // states on connect / accept_connection), destroyed with rdma_destroy_qp. `pd` and the cqs'
     // channel must be on id.device() (librdmacm's ibv_context): otherwise EINVAL. The QP keeps
     // the id's state alive; the cm_id handle may go first. Throws std::system_error naming
     // rdma_create_qp.
     qp(cm_id& id, const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
-       const verbs::qp_caps& caps = {});
+       const verbs::qp_caps& caps = {}, qp_options options = {});
     ~qp();
     qp(const qp&) = delete;
     qp& operator=(const qp&) = delete;
@@ -223,7 +250,8 @@ public:
         return state_->unsignaled_failure;
     }
     // Moves the QP to the error state: every outstanding request completes with
-    // IBV_WC_WR_FLUSH_ERR. Throws std::system_error naming ibv_modify_qp.
+    // IBV_WC_WR_FLUSH_ERR (bounded by qp_options::flush_timeout). Throws std::system_error
+    // naming ibv_modify_qp.
     void to_error();
 
     // SEND (with immediate data, inline, solicited, unsignaled per `o`). Gives the completion

@@ -408,8 +408,9 @@ struct side {
                              .ack_batch = k.ack_batch,
                              .poll_batch = k.poll_batch,
                              .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us)}),
+          // What the QP's two queues can hold at once (the qp refuses a smaller CQ).
           c(ch, cq_options{.entries = k.test == test_kind::rate
-                                          ? static_cast<int>(std::max(k.window, k.recv_depth)) * 2
+                                          ? static_cast<int>(k.window + k.recv_depth) + 33
                                           : 256,
                            .comp_vector = -1,
                            .solicited_only = k.solicited != 0}),

@@ -37,7 +37,8 @@ TEST_CASE("64 CQs on one channel with interleaved traffic: every completion acco
     constexpr int rounds = 50;
     std::vector<std::unique_ptr<cq>> cqs;
     std::vector<std::unique_ptr<qp>> qps;
-    for (int i = 0; i < 2 * pairs; ++i) cqs.push_back(std::make_unique<cq>(ch, cq_options{.entries = 64}));
+    // Each CQ holds what its QP's queues can flush at once (64 + 64 by default).
+    for (int i = 0; i < 2 * pairs; ++i) cqs.push_back(std::make_unique<cq>(ch, cq_options{.entries = 128}));
     for (int i = 0; i < 2 * pairs; ++i)
         qps.push_back(std::make_unique<qp>(dev.pd, *cqs[static_cast<std::size_t>(i)],
                                            *cqs[static_cast<std::size_t>(i)]));

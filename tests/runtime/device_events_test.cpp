@@ -32,7 +32,8 @@ TEST_CASE("a CQ overrun: IBV_EVENT_CQ_ERR is read, acked and routed: the cq's ne
     cq other(ch);
     const verbs::qp_caps caps{.max_send_wr = 128, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1,
                               .max_inline_data = 0};
-    qp a(d.pd, small, small, caps), b(d.pd, other, other, caps);
+    // Overrunning the small CQ is the point: allowed explicitly.
+    qp a(d.pd, small, small, caps, qp_options{.allow_cq_overcommit = true}), b(d.pd, other, other, caps);
     verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port, rdma_device().gid_index,
                             all_remote);
     region src(d.pd, 64), dst(d.pd, 64);

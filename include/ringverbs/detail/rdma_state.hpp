@@ -106,7 +106,9 @@ struct channel_state {
 
     io_context* ctx;
     verbs::completion_channel channel;
-    const verbs::context* device;
+    // A share of the device: the channel's CQs are made on it, whatever became of the
+    // verbs::context the channel was made from (a temporary, a moved-from object).
+    verbs::context device;
     channel_options_data options;
     channel_counters counters;
     fd_watch* watch = nullptr; // the multishot poll on the channel's fd
@@ -158,6 +160,9 @@ struct cq_state {
     std::size_t head = 0;
     std::size_t count = 0;
     std::vector<qp_state*> qps; // QPs using this CQ (raw: each removes itself)
+    // Completions the QPs on this CQ can produce at once (their send or receive queue
+    // capacities), for the overrun check at qp creation.
+    std::size_t committed = 0;
     unsignaled_sink unsignaled;
 
     cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited);
@@ -201,28 +206,65 @@ struct qp_state {
     qp_counters counters;
     std::optional<ibv_wc> unsignaled_failure; // the first non-flush failure of one of them
 
+    // The bounded flush: armed while the QP is in the error state with requests owed.
+    struct flush_timer_op : operation {
+        qp_state* owner = nullptr;
+    };
+
+    io_context* ctx;
+    std::chrono::nanoseconds flush_timeout;
+    flush_timer_op flush_timer;
+    __kernel_timespec flush_ts{};
+    bool flush_timer_armed = false;
+    // Set by ~qp while requests are still owed: the state owns itself until the last one
+    // completes (or is declared never flushed), then frees itself from its flush timer's CQE.
+    std::shared_ptr<qp_state> keep_alive;
+    std::size_t committed_send = 0; // what this QP added to send_cq->committed
+    std::size_t committed_recv = 0;
+
+    // `flush_timeout`: see qp_options. `overcommit`: allow the QPs on a CQ to hold more
+    // requests than the CQ has entries (else EINVAL).
     qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
-             std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps);
+             std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
+             std::chrono::nanoseconds flush_timeout, bool overcommit);
     // A QP created elsewhere on these CQs (rdma_create_qp for a cm_id).
-    qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq, verbs::queue_pair q);
+    qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq, verbs::queue_pair q,
+             std::chrono::nanoseconds flush_timeout, bool overcommit);
     ~qp_state();
     qp_state(const qp_state&) = delete;
     qp_state& operator=(const qp_state&) = delete;
 
     void link(wr_op* op) noexcept;
     void unlink(wr_op* op) noexcept;
+    // The last owed request completed.
+    void owed_nothing() noexcept;
     // A forced-signaled request was posted / its completion arrived.
     void sink_posted() noexcept;
     static void sink_completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
     // Counts the completion of an unsignaled or forced-signaled request.
     void note_unsignaled(const ibv_wc& wc) noexcept;
-    // Moves the QP to the error state (flushing every outstanding request). Never throws:
-    // a failure is reported on stderr and the flush is then forced at teardown.
+    // Moves the QP to the error state (flushing every outstanding request) and starts the
+    // bounded flush. Never throws: a failure is reported on stderr, and the flush timer
+    // then ends what is owed.
     void to_error() noexcept;
-    // Teardown: flushes, then polls the CQs until every awaited request got its completion
-    // (bounded), then completes what is left as cancelled.
-    void drain_for_teardown() noexcept;
+    // Starts the flush timer when requests are owed and it is not running. Where no timer
+    // can run (the io_context is being destroyed) ends them at once (reset()).
+    void watch_flush() noexcept;
+    // Ends every request still owed, without waiting: moves the QP to RESET (after which
+    // the device produces no completion for it), polls its CQs (dispatching what the device
+    // had already delivered), then completes each remaining request with a made-up
+    // IBV_WC_WR_FLUSH_ERR; `never_flushed` marks those (vendor_err) as requests the device
+    // did not flush in time. Not from inside a CQ poll (drain_cq): it polls the CQs itself.
+    void reset(bool never_flushed) noexcept;
+    // ~qp: frees the state now when nothing is owed, or keeps it alive until it is.
+    static void release(std::shared_ptr<qp_state> self) noexcept;
+    static void flush_timer_fired(operation* op, int res, unsigned flags) noexcept;
 };
+
+// vendor_err of the completions made up by qp_state::reset(true) for requests the device
+// never flushed (a device whose flushes get lost: Linux 6.1's rxe, a CQ overrun).
+inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
+
 
 } // namespace detail
 } // namespace ringverbs
