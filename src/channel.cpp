@@ -72,6 +72,7 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
         for (std::size_t i = 0; i < n; ++i) c.dispatch(wcs[i]);
         if (n < batch) break; // the CQ was empty when polled: nothing is stranded (armed first)
     }
+    c.filling = nullptr;
     return total;
 }
 

@@ -88,10 +88,17 @@ void cq_state::dispatch(const ibv_wc& wc) noexcept {
 
 void cq_state::deliver(const ibv_wc& wc) noexcept {
     if (closed) return; // nobody can consume it any more
+    if (filling) {
+        auto* b = static_cast<cq::batch_awaiter*>(filling);
+        b->out[b->n++] = wc;
+        if (b->n == b->capacity) filling = nullptr;
+        return;
+    }
     if (waiter* w = waiters.pop_front()) {
         auto* b = static_cast<cq::batch_awaiter*>(w);
         b->out[b->n++] = wc;
         w->fulfil(0);
+        if (b->n < b->capacity) filling = w;
         return;
     }
     if (count == buffer.size()) {

@@ -6,6 +6,13 @@
 
 namespace ringverbs::detail {
 
+namespace {
+// Errors with which the kernel may end a poll for a while only (memory, a full CQ).
+bool transient(int err) noexcept {
+    return err == ENOMEM || err == EAGAIN || err == EINTR || err == ENOBUFS || err == EBUSY;
+}
+} // namespace
+
 fd_watch* fd_watch::start(io_context& ctx, int fd, std::shared_ptr<void> keep_open, void* owner,
                           ready_fn on_ready, error_fn on_error) {
     std::unique_ptr<fd_watch> w(new fd_watch);
@@ -16,6 +23,8 @@ fd_watch* fd_watch::start(io_context& ctx, int fd, std::shared_ptr<void> keep_op
     w->owner_ = owner;
     w->on_ready_ = on_ready;
     w->on_error_ = on_error;
+    w->retry_.watch = w.get();
+    w->retry_.run = &fd_watch::retry;
     w->arm();
     return w.release();
 }
@@ -29,6 +38,7 @@ void fd_watch::arm() {
 }
 
 void fd_watch::release() noexcept {
+    ctx_->dequeue_poller(&retry_);
     if (!in_flight_) {
         delete this;
         return;
@@ -40,6 +50,34 @@ void fd_watch::release() noexcept {
     } catch (...) {
         // The ring is unusable; ~io_context's cancel-all reaps the poll.
     }
+}
+
+void fd_watch::fail(int err) noexcept {
+    failed_ = true;
+    on_error_(owner_, err);
+}
+
+// The poll is not armed (its final CQE came) and must be: now, or from the next turn.
+void fd_watch::rearm_or_retry() noexcept {
+    if (failed_ || ctx_->shutting_down()) return;
+    try {
+        arm();
+        ++rearms_;
+        failed_attempts_ = 0;
+    } catch (const std::system_error& e) {
+        if (++failed_attempts_ >= max_retries) {
+            fail(e.code().value());
+            return;
+        }
+        ++retries_;
+        ctx_->queue_poller(&retry_);
+    }
+}
+
+void fd_watch::retry(poller* p) noexcept {
+    fd_watch* w = static_cast<retry_poller*>(p)->watch;
+    if (w->in_flight_) return;
+    w->rearm_or_retry();
 }
 
 void fd_watch::cqe(operation* op, int res, unsigned flags) noexcept {
@@ -55,20 +93,11 @@ void fd_watch::cqe(operation* op, int res, unsigned flags) noexcept {
     }
     if (res >= 0) {
         w->on_ready_(w->owner_);
-    } else if (res != -ECANCELED) {
-        w->failed_ = true;
-        w->on_error_(w->owner_, -res);
+    } else if (res != -ECANCELED && !transient(-res)) {
+        w->fail(-res);
         return;
     }
-    if (final_cqe && !w->failed_ && !w->ctx_->shutting_down()) {
-        try {
-            w->arm();
-            ++w->rearms_;
-        } catch (const std::system_error& e) {
-            w->failed_ = true;
-            w->on_error_(w->owner_, e.code().value());
-        }
-    }
+    if (final_cqe) w->rearm_or_retry();
 }
 
 } // namespace ringverbs::detail

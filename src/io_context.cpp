@@ -85,7 +85,14 @@ io_context::io_context(io_context_options options) {
     wakeup_.on_cqe = [](detail::operation* op, int, unsigned) noexcept {
         auto* w = static_cast<wakeup_op*>(op);
         w->armed = false;
-        if (!w->ctx->shutting_down_) w->ctx->arm_wakeup();
+        if (w->ctx->shutting_down_) return;
+        // In the CQE loop, where nothing may throw: a ring that has no SQE to give right now
+        // (submission failing under pressure) gets the read re-armed on the next turn.
+        try {
+            w->ctx->arm_wakeup();
+        } catch (...) {
+            w->ctx->wakeup_rearm_due_ = true;
+        }
     };
     arm_wakeup();
 }
@@ -101,6 +108,17 @@ void io_context::arm_wakeup() {
     io_uring_prep_read(sqe, wake_fd_, &wakeup_.value, sizeof wakeup_.value, 0);
     io_uring_sqe_set_data(sqe, static_cast<detail::operation*>(&wakeup_));
     wakeup_.armed = true;
+}
+
+void io_context::arm_wakeup_retry() {
+    wakeup_rearm_due_ = false;
+    if (wakeup_.armed || shutting_down_) return;
+    try {
+        arm_wakeup();
+    } catch (...) {
+        wakeup_rearm_due_ = true; // next turn again; meanwhile cross-thread posts wait
+        throw;
+    }
 }
 
 io_context::~io_context() {
@@ -268,23 +286,30 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
     enable_ring();
     int r;
     const bool defer = (setup_flags_ & IORING_SETUP_DEFER_TASKRUN) != 0;
+    const bool coop = (setup_flags_ & IORING_SETUP_COOP_TASKRUN) != 0;
+    if (wakeup_rearm_due_) arm_wakeup_retry();
     if (wait && io_uring_cq_ready(&ring_) == 0)
         r = io_uring_submit_and_wait(&ring_, 1);
+    else if (io_uring_cq_has_overflow(&ring_))
+        // CQEs the kernel could not post (the CQ ring was full) wait in its overflow list
+        // until someone enters with GETEVENTS: the shortcuts below would strand them (a
+        // timer, an rdma_cm event) for as long as the loop spins.
+        r = io_uring_submit_and_get_events(&ring_);
     else if (io_uring_sq_ready(&ring_) > 0)
         r = defer ? io_uring_submit_and_get_events(&ring_) : io_uring_submit(&ring_);
-    else if (!defer)
-        r = 0; // completions are posted without us: the CQ ring is read below
+    else if (!defer && !coop)
+        r = 0; // completions are posted without us (task work runs by signal): read below
     else if (spinning && (in_flight_ + background_ == 0 || (++spin_turns_ & 15u) != 0))
         // A busy-polling channel turns the loop as fast as it can; entering the kernel each
-        // turn only to collect io_uring completions (DEFER_TASKRUN posts them only then)
-        // would put a syscall between every two polls of the CQ. Every 16th turn is enough,
-        // and none when no request is in the kernel. The same holds for a turn that starts
-        // with coroutines ready (made ready by the previous turn's coroutines: a receiver
-        // handing a message to a sender): they run now, and the ring is looked at again
-        // within 16 such turns.
+        // turn only to collect io_uring completions (DEFER_TASKRUN posts them only then;
+        // COOP_TASKRUN runs their task work only when we enter) would put a syscall between
+        // every two polls of the CQ. Every 16th turn is enough, and none when no request is
+        // in the kernel. The same holds for a turn that starts with coroutines ready (made
+        // ready by the previous turn's coroutines: a receiver handing a message to a
+        // sender): they run now, and the ring is looked at again within 16 such turns.
         r = 0;
     else
-        r = io_uring_get_events(&ring_); // with DEFER_TASKRUN, completions need GETEVENTS
+        r = io_uring_get_events(&ring_); // GETEVENTS: runs task work, posts completions
     if (r < 0 && r != -EINTR && r != -EBUSY && r != -EAGAIN && r != -ETIME)
         throw_system_error(-r, "io_uring_enter");
     reap();

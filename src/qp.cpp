@@ -210,11 +210,13 @@ void qp_state::reset(bool never_flushed) noexcept {
 }
 
 void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
-    if (self->pending_count == 0) return; // freed with `self`
-    self->to_error();
-    if (self->pending_count == 0 || !self->flush_timer_armed) return; // ended at once
+    if (self->pending_count > 0) self->to_error();
+    // Freed with `self`, unless the flush timer is in flight (owed requests, or a cancelled
+    // timer whose CQE has not come yet): the kernel still names it, so the state waits for
+    // that CQE (flush_timer_fired frees it once nothing is owed).
+    if (!self->flush_timer_armed) return;
     qp_state* s = self.get();
-    s->keep_alive = std::move(self); // until flush_timer_fired finds nothing owed
+    s->keep_alive = std::move(self);
 }
 
 wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,

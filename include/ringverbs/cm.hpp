@@ -285,8 +285,13 @@ private:
             start(*s->channel->ctx, options, h, &s->disc_waiters, &detail::waiter_queue::detach);
         }
         void await_resume() {
-            int err = decided() ? error() : 0;
-            if (err == 0 && !s->disconnected) err = s->closed ? ECANCELED : s->error;
+            // Decided: fulfilled (0: the DISCONNECTED event) or failed; *s is not read, since
+            // a coroutine resumed before this one may have destroyed the id. Not decided: it
+            // was ready at once and *s is alive.
+            const int err = decided()            ? error()
+                            : s->disconnected    ? 0
+                            : s->closed          ? ECANCELED
+                                                 : s->error;
             if (err != 0) throw_system_error(err, initiate ? "rdma_disconnect" : "cm_id::disconnected");
         }
     };

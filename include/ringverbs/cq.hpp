@@ -85,12 +85,21 @@ private:
             start(*s->channel->ctx, options, h, s, &cq::detach);
         }
         std::size_t take() {
-            int err = decided() ? error() : 0;
-            // (No access to *s once decided with an error: the cq may be gone.)
-            if (n == 0 && err == 0) err = s->closed ? ECANCELED : s->error != 0 ? s->error : s->channel->error;
-            if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
-            if (err != 0) throw_system_error(err, "cq::next");
-            while (n < capacity && s->pop(out[n])) ++n;
+            // Decided (the source fulfilled or failed it, or the deadline or stop came): the
+            // outcome is in this object, and *s is not touched any more, because the cq may
+            // have been destroyed by a coroutine that resumed before this one.
+            if (decided()) {
+                const int err = error();
+                if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
+                if (err != 0) throw_system_error(err, "cq::next");
+                return n;
+            }
+            // Ready at once (await_ready), without suspending: *s is alive.
+            if (n == 0) {
+                const int err = s->closed ? ECANCELED : s->error != 0 ? s->error : s->channel->error;
+                if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
+                throw_system_error(err, "cq::next");
+            }
             return n;
         }
     };

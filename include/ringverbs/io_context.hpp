@@ -190,6 +190,7 @@ private:
     void run_pollers();
     void drain_remote();
     void arm_wakeup();
+    void arm_wakeup_retry();
     void wake() noexcept;
     void report(std::exception_ptr e);
     void rethrow_reported();
@@ -201,6 +202,7 @@ private:
     bool shutting_down_ = false;
     bool reaping_ = false;
     bool ring_disabled_ = false;
+    bool wakeup_rearm_due_ = false; // the wakeup read could not be re-armed in the CQE loop
     unsigned spin_turns_ = 0; // created disabled; enabled by the first thread that submits
     std::size_t in_flight_ = 0;
     std::size_t background_ = 0;

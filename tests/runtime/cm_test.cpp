@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stop_token>
 #include <string>
 #include <vector>
@@ -367,4 +368,49 @@ TEST_CASE("disconnect from either side mid-stream: the other side's pending rece
         CHECK(delivered == 1);
         CHECK(flushed_on_stayer == 3);
     }
+}
+
+TEST_CASE("two coroutines await disconnected(): the first destroys the id, the second reads "
+          "nothing freed") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20880);
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq cq_server(comp), cq_client(comp);
+    int ended = 0;
+    auto server = [&]() -> task<void> {
+        cm_id accepted = co_await listener.accept(wait_options(10s));
+        auto conn = std::make_unique<cm_id>(std::move(accepted));
+        auto q = std::make_unique<qp>(*conn, pd, cq_server, cq_server);
+        co_await conn->accept_connection({}, wait_options(10s));
+        cm_id* id = conn.get();
+        // Both are woken by the same DISCONNECTED event, in this order.
+        // No timeout: a timer's cancellation would let them resume in either order.
+        auto first = [&]() -> task<void> {
+            co_await id->disconnected();
+            ++ended;
+            q.reset();
+            conn.reset(); // the id's state goes with its last holder
+        };
+        auto second = [&]() -> task<void> {
+            co_await id->disconnected();
+            ++ended;
+        };
+        co_await when_all(first(), second());
+    };
+    auto client = [&]() -> task<void> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q(id, pd, cq_client, cq_client);
+        co_await id.connect({}, wait_options(10s));
+        co_await sleep_for(io, 20ms); // both server coroutines wait by now
+        co_await id.disconnect(wait_options(10s));
+    };
+    io.run(when_all(server(), client()));
+    CHECK(ended == 2);
 }

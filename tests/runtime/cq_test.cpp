@@ -193,3 +193,43 @@ TEST_CASE("CQs spread over the completion vectors by default, or use the one nam
         CHECK(std::string(e.what()).find("ibv_create_cq") != std::string::npos);
     }
 }
+
+TEST_CASE("a next_batch() fulfilled in the turn another coroutine destroys its cq reads nothing freed") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    auto cq_a = std::make_unique<cq>(ch);
+    cq cq_b(ch);
+    constexpr verbs::qp_caps caps{.max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1,
+                                  .max_recv_sge = 1, .max_inline_data = 0};
+    auto a = std::make_unique<qp>(dev.pd, *cq_a, *cq_a, caps);
+    qp b(dev.pd, cq_b, cq_b, caps);
+    verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,
+                            rdma_device().gid_index, all_remote);
+    region buf(dev.pd, 4096);
+    raw_recv(b, buf.local(0, 64), 1);
+    raw_recv(b, buf.local(64, 64), 2);
+    bool destroyed = false;
+    std::size_t batch = 0;
+    // Resumed first: its send completes on cq_a just before the raw send that fulfils the
+    // batch below, in the same poll. It destroys the qp and the cq, freeing the cq's state.
+    auto destroyer = [&]() -> task<void> {
+        co_await a->send(buf.local(1024, 64));
+        a.reset();
+        cq_a.reset();
+        destroyed = true;
+    };
+    auto consumer = [&]() -> task<void> {
+        ibv_wc wcs[4];
+        batch = co_await cq_a->next_batch(wcs);
+        CHECK(destroyed);
+        CHECK(wcs[0].wr_id == 77);
+    };
+    io.spawn(consumer());
+    io.run_once(false); // the consumer waits
+    io.spawn(destroyer());
+    io.run_once(false); // the awaited send is posted
+    raw_send(*a, buf.local(2048, 64), 77);
+    io.run();
+    CHECK(batch == 1);
+}

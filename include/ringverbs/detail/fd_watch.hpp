@@ -18,7 +18,10 @@ namespace ringverbs::detail {
 //   which frees itself on that CQE. `keep_open` (a share of whatever owns the fd) keeps the
 //   fd open until then: the fd is never closed under a live poll.
 // - Re-armed whenever the kernel ends the multishot poll (a CQE without IORING_CQE_F_MORE),
-//   unless the owner failed or the context is being destroyed.
+//   unless the owner failed or the context is being destroyed. A transient failure (the
+//   poll ended with ENOMEM, EAGAIN, EINTR, ENOBUFS or EBUSY, or no SQE could be had to re-arm
+//   it) is retried on the next loop turn, from a poller: on_error is for failures that last
+//   (EBADF, EINVAL..., or max_retries turns in a row without an SQE).
 // - on_ready / on_error run in the CQE loop: they must not resume coroutines inline.
 class fd_watch : operation {
 public:
@@ -33,11 +36,22 @@ public:
     void release() noexcept;
 
     std::uint64_t rearms() const noexcept { return rearms_; }
+    // Re-arms that failed for a while and were retried on a later turn.
+    std::uint64_t retries() const noexcept { return retries_; }
+
+    static constexpr unsigned max_retries = 1000;
 
 private:
+    struct retry_poller : poller {
+        fd_watch* watch = nullptr;
+    };
+
     fd_watch() = default;
     void arm();
+    void rearm_or_retry() noexcept;
+    void fail(int err) noexcept;
     static void cqe(operation* op, int res, unsigned flags) noexcept;
+    static void retry(poller* p) noexcept;
 
     io_context* ctx_ = nullptr;
     int fd_ = -1;
@@ -48,6 +62,9 @@ private:
     bool in_flight_ = false;
     bool failed_ = false;
     std::uint64_t rearms_ = 0;
+    std::uint64_t retries_ = 0;
+    unsigned failed_attempts_ = 0; // consecutive re-arms that could not get an SQE
+    retry_poller retry_;
 };
 
 } // namespace ringverbs::detail

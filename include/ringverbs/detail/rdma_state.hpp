@@ -154,6 +154,10 @@ struct cq_state {
     int error = 0; // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     cq_counters counters;
     waiter_queue waiters;
+    // A next_batch() waiter fulfilled during the current poll with room left: the poll's
+    // further completions go to it too. It cannot have resumed yet (coroutines resume after
+    // the poll); drain_cq clears this at its end, before it could.
+    waiter* filling = nullptr;
     // Completions nobody waits for yet, for next(). A ring with the CQ's capacity, grown
     // (allocation) only if consumers fall behind by more than that.
     std::vector<ibv_wc> buffer;
@@ -256,7 +260,8 @@ struct qp_state {
     // IBV_WC_WR_FLUSH_ERR; `never_flushed` marks those (vendor_err) as requests the device
     // did not flush in time. Not from inside a CQ poll (drain_cq): it polls the CQs itself.
     void reset(bool never_flushed) noexcept;
-    // ~qp: frees the state now when nothing is owed, or keeps it alive until it is.
+    // ~qp: frees the state now when nothing is owed and no flush timer is in flight, or keeps
+    // it alive until then.
     static void release(std::shared_ptr<qp_state> self) noexcept;
     static void flush_timer_fired(operation* op, int res, unsigned flags) noexcept;
 };

@@ -30,16 +30,26 @@ public:
     waiter(const waiter&) = delete;
     waiter& operator=(const waiter&) = delete;
 
-    // Starts waiting: call after linking into the source's queue.
+    // Starts waiting: call after linking into the source's queue. When it throws (no SQE for
+    // the timer: std::system_error naming io_uring_submit) it has unlinked the waiter again
+    // through `detach` and counted nothing: the co_await throws, nothing refers to it.
     void start(io_context& ctx, const wait_options& options, std::coroutine_handle<> h,
                void* source, detach_fn detach) {
         ctx_ = &ctx;
         handle_ = h;
         source_ = source;
         detach_ = detach;
-        ctx.add_waiter();
+        io_uring_sqe* sqe = nullptr;
         if (options.timeout != wait_options::no_timeout) {
-            io_uring_sqe* sqe = ctx.get_sqe();
+            try {
+                sqe = ctx.get_sqe();
+            } catch (...) {
+                detach_(source_, this);
+                throw;
+            }
+        }
+        ctx.add_waiter();
+        if (sqe) {
             ts_ = to_kernel_timespec(options.timeout);
             io_uring_prep_timeout(sqe, &ts_, 0, 0);
             io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
