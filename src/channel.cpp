@@ -89,13 +89,20 @@ void channel_state::run_service() noexcept {
         // be pending, and the read that would say EAGAIN is saved. At least one read per
         // wakeup, whatever the count says: the fd is readable, and an event left unread
         // would make the level-triggered poll fire on every turn.
+        bool read_again = false;
         for (bool first = true; first || armed_cqs > 0; first = false) {
             std::optional<verbs::cq_event> ev;
             try {
                 ev = channel.get_event();
             } catch (const std::system_error& e) {
-                fail(e.code().value());
-                return;
+                if (e.code().value() != EINTR) {
+                    fail(e.code().value());
+                    return;
+                }
+                // Interrupted: the event is still there, and the multishot poll reports the
+                // fd only on a new wakeup. Read again on the next turn.
+                read_again = true;
+                break;
             }
             if (!ev) break;
             ++counters.events;
@@ -118,7 +125,12 @@ void channel_state::run_service() noexcept {
             }
             found += drain_cq(*c);
         }
+        if (read_again) {
+            fd_ready = true;
+            ctx->queue_poller(&service);
+        }
     }
+    if (rearm_due && !spinning) found += rearm_unarmed();
     if (!spinning) {
         if (found > 0 && options.mode == polling_mode::hybrid) {
             spinning = true;
@@ -163,6 +175,20 @@ void channel_state::run_service() noexcept {
         last_completion = now;
         ctx->queue_poller(&service);
     }
+}
+
+// A CQ whose arming failed for a while (cq_state::arm) is armed again here, on a later turn,
+// and polled after, as any arm must be. Returns the completions found.
+std::size_t channel_state::rearm_unarmed() noexcept {
+    rearm_due = false;
+    std::size_t found = 0;
+    for (cq_state* c : cqs) {
+        if (c->armed || c->error != 0) continue;
+        c->arm();
+        ++counters.arms;
+        found += drain_cq(*c);
+    }
+    return found;
 }
 
 // hybrid, woken by completions after a sleep: `gap` is the time since the completion before.

@@ -65,7 +65,16 @@ void cq_state::arm() noexcept {
         ++counters.arms;
         return;
     }
-    const std::system_error e = make_system_error(verbs::verb_errno(rc), "ibv_req_notify_cq");
+    const int err = verbs::verb_errno(rc);
+    if (err == EAGAIN || err == EINTR || err == ENOMEM || err == EBUSY) {
+        // For a while only: unarmed, the CQ would raise no event. Its channel arms it again
+        // (and polls it) on the next turn.
+        ++channel->counters.arm_retries;
+        channel->rearm_due = true;
+        channel->ctx->queue_poller(&channel->service);
+        return;
+    }
+    const std::system_error e = make_system_error(err, "ibv_req_notify_cq");
     std::fprintf(stderr, "ringverbs: %s\n", e.what());
     fail_waiters(e.code().value());
 }

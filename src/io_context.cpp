@@ -167,6 +167,7 @@ io_context::~io_context() {
 io_uring_sqe* io_context::get_sqe(unsigned reserve) {
     for (int attempt = 0;; ++attempt) {
         if (io_uring_sq_space_left(&ring_) >= reserve) return io_uring_get_sqe(&ring_);
+        if (attempt == 0) ++counters_.sq_full;
         enable_ring();
         int r = io_uring_submit(&ring_);
         if (r >= 0 || r == -EINTR) continue;
@@ -290,12 +291,13 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
     if (wakeup_rearm_due_) arm_wakeup_retry();
     if (wait && io_uring_cq_ready(&ring_) == 0)
         r = io_uring_submit_and_wait(&ring_, 1);
-    else if (io_uring_cq_has_overflow(&ring_))
+    else if (io_uring_cq_has_overflow(&ring_)) {
         // CQEs the kernel could not post (the CQ ring was full) wait in its overflow list
         // until someone enters with GETEVENTS: the shortcuts below would strand them (a
         // timer, an rdma_cm event) for as long as the loop spins.
+        ++counters_.cq_overflows;
         r = io_uring_submit_and_get_events(&ring_);
-    else if (io_uring_sq_ready(&ring_) > 0)
+    } else if (io_uring_sq_ready(&ring_) > 0)
         r = defer ? io_uring_submit_and_get_events(&ring_) : io_uring_submit(&ring_);
     else if (!defer && !coop)
         r = 0; // completions are posted without us (task work runs by signal): read below

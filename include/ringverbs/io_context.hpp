@@ -48,6 +48,15 @@ public:
     std::stop_token stop;                           // default: cannot be stopped
 };
 
+// What the loop met under pressure (diagnostics; tests/runtime/soak_test.cpp counts them).
+struct io_context_counters {
+    // get_sqe() found the submission ring too full and submitted first.
+    std::uint64_t sq_full = 0;
+    // Turns that found CQEs in the kernel's overflow list (the completion ring was full) and
+    // entered the kernel to collect them.
+    std::uint64_t cq_overflows = 0;
+};
+
 struct io_context_options {
     unsigned sq_entries = 256;  // submission ring size; a full ring is submitted, never an error
     unsigned cq_entries = 4096; // completion ring size; the kernel queues overflow (NODROP)
@@ -138,6 +147,7 @@ public:
 
     // The IORING_SETUP_* flags the kernel granted.
     unsigned setup_flags() const noexcept { return setup_flags_; }
+    const io_context_counters& counters() const noexcept { return counters_; }
 
     // Operations in flight in the kernel, background ones (poll streams, channels) included;
     // and coroutines waiting on a background source (for tests and diagnostics).
@@ -198,6 +208,7 @@ private:
 
     io_uring ring_{};
     unsigned setup_flags_ = 0;
+    io_context_counters counters_;
     int wake_fd_ = -1;
     bool shutting_down_ = false;
     bool reaping_ = false;

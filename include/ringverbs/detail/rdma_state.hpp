@@ -41,6 +41,7 @@ struct channel_counters {
     std::uint64_t polls = 0;       // ibv_poll_cq calls
     std::uint64_t empty_polls = 0; // ibv_poll_cq calls that found nothing
     std::uint64_t completions = 0; // work completions polled
+    std::uint64_t arm_retries = 0; // ibv_req_notify_cq failed for a while: armed again later
 };
 
 struct cq_counters {
@@ -125,6 +126,7 @@ struct channel_state {
     std::vector<cq_state*> cqs; // attached CQs (raw: each removes itself)
     std::vector<cq_state*> fired; // CQs with an event this turn
     int error = 0;           // a failure of the fd poll: the channel is dead
+    bool rearm_due = false;  // a CQ's arming failed for a while: arm it on the next pass
 
     channel_state(io_context& c, const verbs::context& dev, channel_options_data o);
     ~channel_state();
@@ -132,6 +134,7 @@ struct channel_state {
     channel_state& operator=(const channel_state&) = delete;
 
     void run_service() noexcept;
+    std::size_t rearm_unarmed() noexcept;
     void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
     void fail(int err) noexcept;
@@ -199,7 +202,10 @@ struct qp_state {
     verbs::queue_pair qp;
     wr_op* pending = nullptr; // requests owed a completion (intrusive list)
     std::size_t pending_count = 0;
+    // We moved the QP to the error state (to_error, or reset() to RESET clears it). It stays
+    // set until a post finds the QP out of that state (the user reset and connected it).
     bool in_error = false;
+    bool posted_in_error = false; // the request being posted goes to a QP in the error state
     // An async error event named this QP (device_events): QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
     bool async_failed = false;
     ibv_event_type async_error{};
@@ -251,6 +257,9 @@ struct qp_state {
     // bounded flush. Never throws: a failure is reported on stderr, and the flush timer
     // then ends what is owed.
     void to_error() noexcept;
+    // A request is about to be posted while in_error: asks the device whether the QP is
+    // still in the error state (then the post is bounded like a flush) or was reset since.
+    void posting_while_in_error() noexcept;
     // Starts the flush timer when requests are owed and it is not running. Where no timer
     // can run (the io_context is being destroyed) ends them at once (reset()).
     void watch_flush() noexcept;
