@@ -72,6 +72,7 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
 
 qp_state::~qp_state() {
     unregister_object(qp.native());
+    while (waiter* w = close_waiters.pop_front()) w->fulfil(ECANCELED);
     // release() keeps the state until nothing is owed; this is a last resort.
     if (pending_count > 0) reset(false);
     send_cq->committed -= committed_send;
@@ -97,6 +98,7 @@ void qp_state::unlink(wr_op* op) noexcept {
 }
 
 void qp_state::owed_nothing() noexcept {
+    while (waiter* w = close_waiters.pop_front()) w->fulfil(0);
     if (!flush_timer_armed) return;
     try {
         ctx->cancel(&flush_timer);

@@ -283,8 +283,38 @@ public:
     detail::wr_awaiter post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each = {},
                                  wait_options w = {}) noexcept;
 
+    // co_await q.close(): the graceful, awaited end. With requests owed, moves the QP to the
+    // error state and resumes once every one of them has ended (by its flush, or by the
+    // bounded flush); then destroying the qp leaves nothing behind. Returns at once when
+    // nothing is owed. Throws std::system_error "qp::close" with timed_out or
+    // operation_canceled per `w` (the requests still end later, as after ~qp).
+    auto close(wait_options w = {}) noexcept;
+
 private:
+    struct close_awaiter : detail::waiter {
+        detail::qp_state* s;
+        wait_options options;
+        close_awaiter(detail::qp_state* st, wait_options o) noexcept : s(st), options(std::move(o)) {}
+        close_awaiter(const close_awaiter&) = delete;
+        bool await_ready() noexcept {
+            if (s->pending_count == 0) return true;
+            s->to_error();
+            return s->pending_count == 0;
+        }
+        void await_suspend(std::coroutine_handle<> h) {
+            s->close_waiters.push_back(this);
+            start(*s->ctx, options, h, &s->close_waiters, &detail::waiter_queue::detach);
+        }
+        // Decided or not, *s is not read: the qp may be gone by now.
+        void await_resume() {
+            const int err = decided() ? error() : 0;
+            if (err != 0) throw_system_error(err, "qp::close");
+        }
+    };
+
     std::shared_ptr<detail::qp_state> state_;
 };
+
+inline auto qp::close(wait_options w) noexcept { return close_awaiter{state_.get(), std::move(w)}; }
 
 } // namespace ringverbs

@@ -1,3 +1,4 @@
+#include "fault_injection.hpp"
 #include "runtime_fixture.hpp"
 
 #include <ringverbs/timer.hpp>
@@ -281,4 +282,28 @@ TEST_CASE("teardown in any order: no hang, pending awaiters resume with an error
         CHECK(resumed);
         CHECK(io.waiters() == 0);
     }
+}
+
+TEST_CASE("interrupted ibv_get_cq_event and refused ibv_req_notify_cq: read and armed again on "
+          "a later turn, nothing lost") {
+    watchdog wd(60s, "interrupted events");
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region out(dev.pd, 64), in(dev.pd, 64);
+    interrupt_events faults(6); // the first 6 reads interrupted, the first 6 arms refused
+    int exchanged = 0;
+    auto t = [&]() -> task<void> {
+        for (int i = 0; i < 50; ++i) {
+            auto r = [&]() -> task<ibv_wc> { co_return co_await lp.b.recv(in.all()); };
+            auto s = [&]() -> task<ibv_wc> { co_return co_await lp.a.send(out.all()); };
+            co_await when_all(r(), s());
+            ++exchanged;
+        }
+    };
+    io.run(t());
+    CHECK(exchanged == 50);
+    CHECK(interrupt_events::interrupted() == 6);
+    CHECK(interrupt_events::refused() == 6);
+    CHECK(lp.ch.counters().arm_retries >= 1);
 }

@@ -90,6 +90,52 @@ private:
     static inline int posted_ = 0;
 };
 
+// Interrupts the next `count` calls of ibv_get_cq_event (EINTR, nothing read) and makes the
+// next `count` calls of ibv_req_notify_cq fail with EAGAIN (not armed), while it lives.
+class interrupt_events {
+public:
+    explicit interrupt_events(int count) noexcept {
+        get_left_ = count;
+        notify_left_ = count;
+        interrupted_ = 0;
+        refused_ = 0;
+        ringverbs::detail::hooks().get_cq_event = &get_event;
+        ringverbs::detail::hooks().req_notify_cq = &notify;
+    }
+    ~interrupt_events() {
+        ringverbs::detail::hooks().get_cq_event = ringverbs::detail::real_verbs().get_cq_event;
+        ringverbs::detail::hooks().req_notify_cq = ringverbs::detail::real_verbs().req_notify_cq;
+    }
+    interrupt_events(const interrupt_events&) = delete;
+    interrupt_events& operator=(const interrupt_events&) = delete;
+
+    static int interrupted() noexcept { return interrupted_; }
+    static int refused() noexcept { return refused_; }
+
+private:
+    static int get_event(ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
+        if (get_left_ > 0) {
+            --get_left_;
+            ++interrupted_;
+            errno = EINTR;
+            return -1;
+        }
+        return ringverbs::detail::real_verbs().get_cq_event(ch, cq, ctx);
+    }
+    static int notify(ibv_cq* cq, int solicited_only) noexcept {
+        if (notify_left_ > 0) {
+            --notify_left_;
+            ++refused_;
+            return EAGAIN;
+        }
+        return ringverbs::detail::real_verbs().req_notify_cq(cq, solicited_only);
+    }
+    static inline int get_left_ = 0;
+    static inline int notify_left_ = 0;
+    static inline int interrupted_ = 0;
+    static inline int refused_ = 0;
+};
+
 // Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a
 // failure with a message instead of a CI timeout.
 class watchdog {

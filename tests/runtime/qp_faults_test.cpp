@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <stop_token>
 #include <string>
 
@@ -342,4 +343,59 @@ TEST_CASE("a send awaited on a solicited-only CQ is refused instead of waiting f
     auto [rwc, swc] = io.run(when_all(r(), s()));
     CHECK(rwc.status == IBV_WC_SUCCESS);
     CHECK(swc.status == IBV_WC_SUCCESS);
+}
+
+TEST_CASE("a request posted while its QP is still in the error state ends by the bound") {
+    watchdog wd(60s, "posted in the error state");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    // Moved to error with nothing owed; the user posts to it all the same (without resetting).
+    p.b->to_error();
+    // A device that never flushes requests posted in that state (Linux 6.1's rxe does not).
+    hide_flushes hide(p.b->qp_num());
+    outcome o;
+    io.run(await_recv(*p.b, in.all(), wait_options(), o));
+    CHECK(o.ended == 1);
+    CHECK(o.code == std::errc::io_error);
+    CHECK(o.what.find("never flushed") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+}
+
+TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; then nothing is left") {
+    watchdog wd(60s, "close");
+    for (const bool flushes_lost : {false, true}) {
+        CAPTURE(flushes_lost);
+        device dev;
+        io_context io;
+        pair p(dev, io);
+        region in(dev.pd, 4 * 64);
+        std::optional<hide_flushes> hide;
+        if (flushes_lost) hide.emplace(p.b->qp_num());
+        std::vector<outcome> outs(4);
+        for (int i = 0; i < 4; ++i)
+            io.spawn(await_recv(*p.b, in.local(static_cast<std::size_t>(i) * 64, 64), wait_options(),
+                                outs[static_cast<std::size_t>(i)]));
+        io.run_once(false);
+        REQUIRE(p.b->pending() == 4);
+        int ended_when_closed = -1;
+        auto closer = [&]() -> task<void> {
+            co_await p.b->close(wait_options(10s));
+            ended_when_closed = 0;
+            for (auto& o : outs) ended_when_closed += o.ended;
+        };
+        io.run(closer());
+        CHECK(p.b->pending() == 0);
+        CHECK(ended_when_closed == 4); // close resumed after every owed request had ended
+        io.run();
+        for (auto& o : outs) {
+            CHECK(o.ended == 1); // once each
+            if (flushes_lost) CHECK(o.code == std::errc::io_error);
+            else CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
+        }
+        // Nothing owed: closing again returns at once.
+        auto again = [&]() -> task<void> { co_await p.b->close(); };
+        io.run(again());
+    }
 }

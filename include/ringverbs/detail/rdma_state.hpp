@@ -229,6 +229,7 @@ struct qp_state {
     // Set by ~qp while requests are still owed: the state owns itself until the last one
     // completes (or is declared never flushed), then frees itself from its flush timer's CQE.
     std::shared_ptr<qp_state> keep_alive;
+    waiter_queue close_waiters; // qp::close(): resumed once nothing is owed
     std::size_t committed_send = 0; // what this QP added to send_cq->committed
     std::size_t committed_recv = 0;
 
