@@ -1,5 +1,7 @@
 #include <ringverbs/io_context.hpp>
 
+#include <ringverbs/detail/uring_hooks.hpp>
+
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -169,7 +171,7 @@ io_uring_sqe* io_context::get_sqe(unsigned reserve) {
         if (io_uring_sq_space_left(&ring_) >= reserve) return io_uring_get_sqe(&ring_);
         if (attempt == 0) ++counters_.sq_full;
         enable_ring();
-        int r = io_uring_submit(&ring_);
+        int r = detail::io_uring_hooks().submit(&ring_);
         if (r >= 0 || r == -EINTR) continue;
         if ((r == -EBUSY || r == -EAGAIN) && !reaping_ && attempt < 1000) {
             reap(); // make room in the completion ring, then try again
@@ -416,5 +418,14 @@ void io_context::rethrow_reported() {
     reported_.erase(reported_.begin());
     std::rethrow_exception(e);
 }
+
+namespace detail {
+
+uring_hooks& io_uring_hooks() noexcept {
+    static uring_hooks table{[](io_uring* ring) noexcept { return io_uring_submit(ring); }};
+    return table;
+}
+
+} // namespace detail
 
 } // namespace ringverbs

@@ -1,3 +1,4 @@
+#include "fault_injection.hpp"
 #include "runtime_fixture.hpp"
 
 #include <ringverbs/timer.hpp>
@@ -232,4 +233,32 @@ TEST_CASE("a next_batch() fulfilled in the turn another coroutine destroys its c
     raw_send(*a, buf.local(2048, 64), 77);
     io.run();
     CHECK(batch == 1);
+}
+
+TEST_CASE("a next() that gets no SQE for its timer throws and leaves no waiter behind") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    std::string what;
+    auto t = [&]() -> task<void> {
+        refuse_submission full(io);
+        try {
+            (void)co_await lp.cq_b.next(wait_options(1s));
+        } catch (const std::system_error& e) {
+            what = e.what();
+        }
+    };
+    io.run(t());
+    CHECK(what.find("io_uring_submit") != std::string::npos);
+    CHECK(io.waiters() == 0);
+    // A completion for next() now is buffered for the next consumer, not handed to the
+    // waiter that threw.
+    raw_recv(lp.b, buf.local(0, 64), 7);
+    raw_send(lp.a, buf.local(1024, 64), 8);
+    auto take = [&]() -> task<std::uint64_t> {
+        ibv_wc wc = co_await lp.cq_b.next(wait_options(10s));
+        co_return wc.wr_id;
+    };
+    CHECK(io.run(take()) == 7);
 }

@@ -2,7 +2,9 @@
 // calls the real verb first and then hides or fails part of what it did. Never a mock.
 #pragma once
 
+#include <ringverbs/detail/uring_hooks.hpp>
 #include <ringverbs/detail/verbs_hooks.hpp>
+#include <ringverbs/io_context.hpp>
 
 #include <infiniband/verbs.h>
 
@@ -134,6 +136,26 @@ private:
     static inline int notify_left_ = 0;
     static inline int interrupted_ = 0;
     static inline int refused_ = 0;
+};
+
+// Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
+// fail (EBUSY), while it lives: every wait that needs an SQE throws "io_uring_submit".
+class refuse_submission {
+public:
+    explicit refuse_submission(ringverbs::io_context& io) noexcept {
+        io_uring* ring = io.native_ring();
+        while (io_uring_sq_space_left(ring) > 0) {
+            io_uring_sqe* sqe = io_uring_get_sqe(ring);
+            io_uring_prep_nop(sqe);
+            io_uring_sqe_set_data64(sqe, 0);
+        }
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
+    }
+    ~refuse_submission() {
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept { return io_uring_submit(r); };
+    }
+    refuse_submission(const refuse_submission&) = delete;
+    refuse_submission& operator=(const refuse_submission&) = delete;
 };
 
 // Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a

@@ -399,3 +399,26 @@ TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; 
         io.run(again());
     }
 }
+
+TEST_CASE("a timed await that gets no SQE for its timer throws before posting: nothing owed, QP untouched") {
+    watchdog wd(60s, "no SQE for the timer");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    std::string what;
+    auto t = [&]() -> task<void> {
+        refuse_submission full(io);
+        try {
+            co_await p.b->recv(in.all(), wait_options(1s));
+        } catch (const std::system_error& e) {
+            what = e.what();
+        }
+    };
+    io.run(t());
+    MESSAGE(what);
+    CHECK(what.find("io_uring_submit") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+    CHECK(p.b->native_qp().state() == IBV_QPS_RTS);
+    CHECK(io.waiters() == 0);
+}
