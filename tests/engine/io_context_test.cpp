@@ -1,5 +1,6 @@
 #include "fd.hpp"
 
+#include <ringverbs/detail/uring_hooks.hpp>
 #include <ringverbs/file_io.hpp>
 #include <ringverbs/io_context.hpp>
 #include <ringverbs/poll.hpp>
@@ -11,6 +12,8 @@
 #include <barrier>
 #include <optional>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -222,4 +225,50 @@ TEST_CASE("a loop that never sleeps still collects CQEs the kernel kept in its o
         CHECK(fired == timers);
         MESSAGE("setup flags " << io.setup_flags() << ": " << turns << " turns");
     }
+}
+
+TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop gets no SQE for it") {
+    io_context io;
+    io.run_once(false); // the ring is enabled, the wakeup read armed
+    // A request whose CQE, reaped just before the wakeup's, leaves the submission ring full
+    // and makes submitting fail: the wakeup's re-arm then finds no SQE inside the CQE loop.
+    struct filler : ringverbs::detail::operation {
+        io_context* ctx = nullptr;
+    } op;
+    op.ctx = &io;
+    op.on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
+        io_uring* ring = static_cast<filler*>(self)->ctx->native_ring();
+        while (io_uring_sq_space_left(ring) > 0) {
+            io_uring_sqe* s = io_uring_get_sqe(ring);
+            io_uring_prep_nop(s);
+            io_uring_sqe_set_data64(s, 0);
+        }
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
+    };
+    io_uring_sqe* sqe = io.get_sqe();
+    io_uring_prep_nop(sqe);
+    io_uring_sqe_set_data(sqe, static_cast<ringverbs::detail::operation*>(&op));
+    std::atomic<int> posted{0};
+    std::thread([&] { io.post([&] { ++posted; }); }).join(); // completes the wakeup read
+    io.run_once(false); // reaps the NOP's CQE, then the wakeup's: no terminate
+    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept { return io_uring_submit(r); };
+    CHECK(posted.load() == 1);
+    // A loop that blocks is still woken by the next cross-thread post.
+    std::atomic<bool> finished{false};
+    std::thread guard([&] {
+        for (int i = 0; i < 600 && !finished.load(); ++i) std::this_thread::sleep_for(50ms);
+        if (!finished.load()) {
+            std::fprintf(stderr, "the wakeup was not re-armed: run_once(true) never returned\n");
+            std::abort();
+        }
+    });
+    std::thread later([&] {
+        std::this_thread::sleep_for(50ms);
+        io.post([&] { ++posted; });
+    });
+    while (posted.load() < 2) io.run_once(true);
+    finished = true;
+    later.join();
+    guard.join();
+    CHECK(posted.load() == 2);
 }
