@@ -238,7 +238,6 @@ wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request&
                        wait_options options) noexcept
     : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
     on_wc = &wr_awaiter::completed;
-    on_cqe = &wr_awaiter::timer_fired;
     sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
     sge_.length = r.local.length;
     sge_.lkey = r.local.lkey;
@@ -368,41 +367,22 @@ bool wr_awaiter::post_unsignaled() {
 }
 
 void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
-    handle_ = h;
-    io_context& ctx = *ctx_;
     // Everything that can throw comes before the request is posted (a throw after it would
     // leave a posted request behind an awaiter about to go): the timer's SQE first.
-    io_uring_sqe* timer_sqe = nullptr;
-    if (options_.timeout != wait_options::no_timeout && !posted_) timer_sqe = ctx.get_sqe();
+    io_uring_sqe* timer = nullptr;
+    try {
+        timer = reserve_timer(*ctx_, options_);
+    } catch (...) {
+        if (posted_) abandon(); // posted early with post(): owed, and the awaiter goes
+        throw;
+    }
     try {
         post();
     } catch (...) {
-        if (timer_sqe) {
-            io_uring_prep_nop(timer_sqe);
-            io_uring_sqe_set_data64(timer_sqe, ignored_user_data);
-        }
+        unreserve(timer);
         throw;
     }
-    if (options_.timeout != wait_options::no_timeout && timer_sqe == nullptr) {
-        // Posted early with post(): the co_await can still fail to get an SQE. The request
-        // is owed a completion; abandon it as the destructor would.
-        try {
-            timer_sqe = ctx.get_sqe();
-        } catch (...) {
-            abandon();
-            throw;
-        }
-    }
-    awaiting_ = true;
-    ctx.add_waiter();
-    if (timer_sqe) {
-        ts_ = to_kernel_timespec(options_.timeout);
-        io_uring_prep_timeout(timer_sqe, &ts_, 0, 0);
-        io_uring_sqe_set_data(timer_sqe, static_cast<operation*>(this));
-        timer_pending_ = true;
-        ctx.start_operation();
-    }
-    gate_.arm(ctx, options_.stop, this, &wr_awaiter::on_stop, &wr_awaiter::on_resume);
+    begin_wait(*ctx_, options_, timer, h, &wr_awaiter::interrupted_by);
 }
 
 // This awaiter goes while requests it posted are owed (post() failed part-way through a
@@ -411,7 +391,6 @@ void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
 // that no completion names this object after it is gone.
 void wr_awaiter::abandon() noexcept {
     abandoned_ = true;
-    awaiting_ = false;
     if (!posted_) {
         posted_ = true;
         qp_->link(this);
@@ -438,61 +417,26 @@ void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     self->result_ = wc;
     self->done_ = true;
     self->qp_->unlink(self);
-    if (!self->awaiting_) return; // posted early: the co_await will find it done
-    if (self->timer_pending_) {
-        try {
-            self->ctx_->cancel(static_cast<operation*>(self));
-        } catch (...) {
-            // The ring is unusable: the timer still fires on its own.
-        }
-        return; // resumed when the timer's CQE arrives
-    }
-    self->finish();
+    // Posted early and not awaited yet: the co_await will find it done.
+    if (self->wait_phase() == phase::waiting) self->decide(0);
 }
 
-void wr_awaiter::timer_fired(operation* op, int, unsigned) noexcept {
-    auto* self = static_cast<wr_awaiter*>(op);
-    self->timer_pending_ = false;
-    self->ctx_->finish_operation();
-    if (!self->done_) {
-        // The deadline passed: flush the QP; the flush completion resumes us.
-        self->timed_out_ = true;
-        self->qp_->to_error();
-        return;
-    }
-    self->finish();
-}
-
-bool wr_awaiter::on_stop(void* p) noexcept {
-    auto* self = static_cast<wr_awaiter*>(p);
-    if (!self->done_) {
-        self->qp_->to_error();
-        return false; // the flush completion finishes the await
-    }
-    return !self->timer_pending_;
-}
-
-void wr_awaiter::on_resume(void* p) noexcept { static_cast<wr_awaiter*>(p)->resume(); }
-
-void wr_awaiter::finish() noexcept {
-    if (gate_.finish()) resume();
-}
-
-void wr_awaiter::resume() noexcept {
-    ctx_->remove_waiter();
-    ctx_->ready(handle_);
+bool wr_awaiter::interrupted_by(wait_core* core, int) noexcept {
+    auto* self = static_cast<wr_awaiter*>(core);
+    self->qp_->to_error(); // owed, so the qp's state is alive
+    return false;
 }
 
 ibv_wc wr_awaiter::await_resume() {
     if (cancelled_early_) throw_system_error(ECANCELED, name_);
-    gate_.disarm();
-    awaiting_ = false;
-    if (!failed_) return result_;
+    const int interrupted = this->interrupted();
+    finish_wait();
+    if (!failed_) return result_; // its real outcome came first
     const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
                                first_error_.vendor_err == never_flushed_vendor_err;
     const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
-    if (gate_.stop_won()) throw_system_error(ECANCELED, std::string(name_) + note);
-    if (timed_out_) throw_system_error(ETIMEDOUT, std::string(name_) + note);
+    if (stop_won() || interrupted == ECANCELED) throw_system_error(ECANCELED, std::string(name_) + note);
+    if (interrupted == ETIMEDOUT) throw_system_error(ETIMEDOUT, std::string(name_) + note);
     if (never_flushed)
         throw_system_error(EIO, std::string(name_) +
                                     ": never flushed by the device: the QP was in the error state "

@@ -123,7 +123,7 @@ struct wr_request {
 // - A stop request or timeout cannot recall a posted request: it moves the QP to the error
 //   state, which flushes every outstanding request of the QP (IBV_WC_WR_FLUSH_ERR); the
 //   awaiter then resumes on its flush completion with operation_canceled / timed_out.
-class wr_awaiter : wr_op, operation {
+class wr_awaiter : wr_op, wait_core {
 public:
     enum class kind { send, recv };
 
@@ -162,11 +162,9 @@ public:
 
 private:
     static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
-    static void timer_fired(operation* op, int res, unsigned flags) noexcept;
-    static bool on_stop(void* self) noexcept;
-    static void on_resume(void* self) noexcept;
-    void finish() noexcept;
-    void resume() noexcept;
+    // The deadline or the stop while the request is owed: a posted request cannot be
+    // recalled, so the QP goes to the error state and the flush decides the wait.
+    static bool interrupted_by(wait_core* core, int reason) noexcept;
     void abandon() noexcept;
     bool post_unsignaled();
 
@@ -183,21 +181,15 @@ private:
     std::span<ibv_wc> each_;
     const char* name_;
     wait_options options_;
-    std::coroutine_handle<> handle_;
     ibv_wc result_{};
     ibv_wc first_error_{};
     std::size_t seen_ = 0;
-    bool failed_ = false;
-    bool done_ = false;
-    bool timed_out_ = false;
-    bool timer_pending_ = false;
-    bool cancelled_early_ = false;
-    bool abandoned_ = false;
+    bool failed_ = false;          // a completion of the chain failed (first_error_)
+    bool done_ = false;            // the chain's last completion came (result_)
+    bool cancelled_early_ = false; // stopped before it was posted: nothing owed
+    bool abandoned_ = false;       // its awaiter gives up on it (abandon())
     bool posted_ = false;
-    bool awaiting_ = false;
     bool signaled_ = true;
-    __kernel_timespec ts_{};
-    stop_gate gate_;
 };
 
 } // namespace detail

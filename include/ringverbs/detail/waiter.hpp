@@ -4,127 +4,64 @@
 
 #include <ringverbs/detail/config.hpp>
 
-#include <ringverbs/detail/io_awaiter.hpp>
-#include <ringverbs/detail/operation.hpp>
-#include <ringverbs/detail/stop_gate.hpp>
+#include <ringverbs/detail/wait_core.hpp>
 #include <ringverbs/io_context.hpp>
 
-#include <cerrno>
 #include <coroutine>
 
 namespace ringverbs::detail {
 
-// Exactly one of three things decides a waiter: the source fulfils it, its deadline passes,
-// or its stop_token fires. Whoever decides first unlinks it from the source's queue (the
-// source before calling fulfil(); the deadline and the stop through detach()). The waiter is
-// resumed once decided AND its timer request (an IORING_OP_TIMEOUT whose user_data is the
-// waiter) has delivered its CQE, so the kernel never touches a dead waiter.
-class waiter : operation {
+// A coroutine queued on a source (a CQ's next(), a poll stream, an rdma_cm id, device events,
+// qp::close()). Exactly one of three things decides it: the source fulfils it, its deadline
+// passes, or its stop_token fires. Whoever decides first unlinks it from the source's queue
+// (the source before calling fulfil(); the deadline and the stop through the detach function).
+// The rest (resumed once decided and once its timer's CQE came) is wait_core's.
+class waiter : wait_core {
 public:
     using detach_fn = void (*)(void* source, waiter* w) noexcept;
 
     waiter* prev = nullptr; // the source's queue links, owned by the source
     waiter* next = nullptr;
 
-    waiter() noexcept { on_cqe = &waiter::timer_fired; }
-    waiter(const waiter&) = delete;
-    waiter& operator=(const waiter&) = delete;
+    waiter() noexcept = default;
 
     // Starts waiting: call after linking into the source's queue. When it throws (no SQE for
     // the timer: std::system_error naming io_uring_submit) it has unlinked the waiter again
     // through `detach` and counted nothing: the co_await throws, nothing refers to it.
     void start(io_context& ctx, const wait_options& options, std::coroutine_handle<> h,
                void* source, detach_fn detach) {
-        ctx_ = &ctx;
-        handle_ = h;
         source_ = source;
         detach_ = detach;
-        io_uring_sqe* sqe = nullptr;
-        if (options.timeout != wait_options::no_timeout) {
-            try {
-                sqe = ctx.get_sqe();
-            } catch (...) {
-                detach_(source_, this);
-                throw;
-            }
+        io_uring_sqe* timer = nullptr;
+        try {
+            timer = reserve_timer(ctx, options);
+        } catch (...) {
+            detach_(source_, this);
+            throw;
         }
-        ctx.add_waiter();
-        if (sqe) {
-            ts_ = to_kernel_timespec(options.timeout);
-            io_uring_prep_timeout(sqe, &ts_, 0, 0);
-            io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
-            timer_pending_ = true;
-            ctx.start_operation();
-        }
-        gate_.arm(ctx, options.stop, this, &waiter::on_stop, &waiter::on_resume);
+        begin_wait(ctx, options, timer, h, &waiter::interrupted_by);
     }
 
     // The source gives the waiter its outcome (0, or a positive errno), after unlinking it.
-    void fulfil(int error) noexcept {
-        decided_ = true;
-        error_ = error;
-        if (timer_pending_) cancel_timer();
-        else finish();
-    }
+    void fulfil(int error) noexcept { decide(error); }
 
-    bool decided() const noexcept { return decided_; }
+    // True once suspended and decided (false for an await that was ready at once).
+    bool decided() const noexcept { return wait_phase() == phase::decided; }
 
-    // 0, or the errno that ended the wait (ETIMEDOUT, ECANCELED, or the source's error).
-    int error() noexcept {
-        gate_.disarm();
-        return error_;
-    }
+    // After resuming: 0, or the errno that ended the wait (ETIMEDOUT, ECANCELED, or the
+    // source's error).
+    int error() noexcept { return finish_wait(); }
 
 private:
-    void finish() noexcept {
-        if (gate_.finish()) resume();
-    }
-    void resume() noexcept {
-        ctx_->remove_waiter();
-        ctx_->ready(handle_);
-    }
-    void cancel_timer() noexcept {
-        try {
-            ctx_->cancel(this);
-        } catch (...) {
-            // The ring is unusable: the timer still fires on its own.
-        }
-    }
-    static void timer_fired(operation* op, int, unsigned) noexcept {
-        auto* self = static_cast<waiter*>(op);
-        self->timer_pending_ = false;
-        self->ctx_->finish_operation();
-        if (!self->decided_) {
-            self->decided_ = true;
-            self->error_ = self->ctx_->shutting_down() ? ECANCELED : ETIMEDOUT;
-            self->detach_(self->source_, self);
-        }
-        self->finish();
-    }
-    static bool on_stop(void* owner) noexcept {
-        auto* self = static_cast<waiter*>(owner);
-        if (!self->decided_) {
-            self->decided_ = true;
-            self->error_ = ECANCELED;
-            self->detach_(self->source_, self);
-        }
-        if (self->timer_pending_) {
-            self->cancel_timer();
-            return false;
-        }
+    // The deadline or the stop came first: leave the source's queue, end with that reason.
+    static bool interrupted_by(wait_core* core, int) noexcept {
+        auto* self = static_cast<waiter*>(core);
+        self->detach_(self->source_, self);
         return true;
     }
-    static void on_resume(void* owner) noexcept { static_cast<waiter*>(owner)->resume(); }
 
-    io_context* ctx_ = nullptr;
-    std::coroutine_handle<> handle_;
     void* source_ = nullptr;
     detach_fn detach_ = nullptr;
-    int error_ = 0;
-    bool decided_ = false;
-    bool timer_pending_ = false;
-    __kernel_timespec ts_{};
-    stop_gate gate_;
 };
 
 // An intrusive FIFO of waiters. Not thread-safe: the source lives on one context's thread.
