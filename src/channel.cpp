@@ -24,7 +24,7 @@ channel_state::channel_state(io_context& c, const verbs::context& dev, channel_o
     }
     watch = fd_watch::start(
         *ctx, channel.fd(), channel.handle(), this,
-        [](void* self) noexcept {
+        [](void* self, unsigned) noexcept {
             auto* ch = static_cast<channel_state*>(self);
             if (ch->error != 0) return;
             ++ch->counters.wakeups;

@@ -102,7 +102,7 @@ cm_channel_state::cm_channel_state(io_context& c) : ctx(&c) {
         throw_system_error(errno, "fcntl(rdma_cm event channel)");
     watch = fd_watch::start(
         *ctx, channel->fd, channel, this,
-        [](void* self) noexcept {
+        [](void* self, unsigned) noexcept {
             auto* ch = static_cast<cm_channel_state*>(self);
             if (ch->error == 0) ch->drain();
         },

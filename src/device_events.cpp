@@ -39,7 +39,7 @@ device_events::device_events(io_context& ctx, const verbs::context& device)
             throw_system_error(errno, "fcntl(async_fd, O_NONBLOCK)");
         state_->watch = detail::fd_watch::start(
             ctx, dev->async_fd, state_->device, state_.get(),
-            [](void* self) noexcept {
+            [](void* self, unsigned) noexcept {
                 auto* s = static_cast<state*>(self);
                 ++s->counters.wakeups;
                 s->drain();

@@ -14,11 +14,15 @@ bool transient(int err) noexcept {
 } // namespace
 
 fd_watch* fd_watch::start(io_context& ctx, int fd, std::shared_ptr<void> keep_open, void* owner,
-                          ready_fn on_ready, error_fn on_error) {
+                          ready_fn on_ready, error_fn on_error, unsigned events,
+                          bool report_shutdown) {
+    static_assert(POLLIN == 0x001);
     std::unique_ptr<fd_watch> w(new fd_watch);
     w->on_cqe = &fd_watch::cqe;
     w->ctx_ = &ctx;
     w->fd_ = fd;
+    w->events_ = events;
+    w->report_shutdown_ = report_shutdown;
     w->keep_open_ = std::move(keep_open);
     w->owner_ = owner;
     w->on_ready_ = on_ready;
@@ -31,7 +35,7 @@ fd_watch* fd_watch::start(io_context& ctx, int fd, std::shared_ptr<void> keep_op
 
 void fd_watch::arm() {
     io_uring_sqe* sqe = ctx_->get_sqe();
-    io_uring_prep_poll_multishot(sqe, fd_, POLLIN);
+    io_uring_prep_poll_multishot(sqe, fd_, events_);
     io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
     in_flight_ = true;
     ctx_->start_background();
@@ -92,9 +96,13 @@ void fd_watch::cqe(operation* op, int res, unsigned flags) noexcept {
         return;
     }
     if (res >= 0) {
-        w->on_ready_(w->owner_);
+        w->on_ready_(w->owner_, static_cast<unsigned>(res));
     } else if (res != -ECANCELED && !transient(-res)) {
         w->fail(-res);
+        return;
+    }
+    if (final_cqe && w->ctx_->shutting_down()) {
+        if (w->report_shutdown_) w->fail(ECANCELED);
         return;
     }
     if (final_cqe) w->rearm_or_retry();

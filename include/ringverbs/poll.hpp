@@ -3,6 +3,7 @@
 
 #include <ringverbs/detail/config.hpp>
 
+#include <ringverbs/detail/fd_watch.hpp>
 #include <ringverbs/detail/io_awaiter.hpp>
 #include <ringverbs/detail/waiter.hpp>
 #include <ringverbs/io_context.hpp>
@@ -57,27 +58,24 @@ public:
     auto next(wait_options options = {}) noexcept;
 
     // How many times the kernel ended the multishot request and the stream re-armed it.
-    std::uint64_t rearms() const noexcept { return state_->rearms; }
+    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
     // Readiness CQEs received.
     std::uint64_t completions() const noexcept { return state_->completions; }
     int fd() const noexcept { return state_->fd; }
 
 private:
-    struct state : detail::operation {
+    struct state {
         io_context* ctx;
         int fd;
-        unsigned events;
-        unsigned pending = 0;   // revents not yet handed to a waiter
-        int error = 0;          // a failure the kernel reported; the stream is done
-        bool in_flight = false; // a multishot request is armed (its final CQE is owed)
-        bool orphaned = false;  // the stream is gone: free on the final CQE
-        std::uint64_t rearms = 0;
+        unsigned pending = 0; // revents not yet handed to a waiter
+        int error = 0;        // a failure the kernel reported; the stream is done
         std::uint64_t completions = 0;
+        detail::fd_watch* watch = nullptr; // the multishot poll (outlives us until its last CQE)
         detail::waiter_queue waiters;
     };
 
-    static void arm(state* s);
-    static void on_cqe(detail::operation* op, int res, unsigned flags) noexcept;
+    static void ready(void* owner, unsigned revents) noexcept;
+    static void failed(void* owner, int err) noexcept;
     static void detach(void* source, detail::waiter* w) noexcept;
 
     std::unique_ptr<state> state_;
@@ -101,11 +99,14 @@ struct poll_stream::next_awaiter : detail::waiter {
         start(*s->ctx, options, h, s, &poll_stream::detach);
     }
     unsigned await_resume() {
-        int err = decided() ? error() : 0;
-        if (err == 0 && s->pending == 0 && s->error != 0) err = s->error;
-        if (err != 0) throw_system_error(err, "poll_stream");
-        if (revents == 0) revents = std::exchange(s->pending, 0u);
-        return revents;
+        if (decided()) { // fulfilled (revents set) or failed; the stream may be gone
+            const int err = error();
+            if (err != 0) throw_system_error(err, "poll_stream");
+            return revents;
+        }
+        // Ready at once: *s is alive.
+        if (s->pending == 0) throw_system_error(s->error, "poll_stream");
+        return std::exchange(s->pending, 0u);
     }
 };
 

@@ -25,12 +25,15 @@ namespace ringverbs::detail {
 // - on_ready / on_error run in the CQE loop: they must not resume coroutines inline.
 class fd_watch : operation {
 public:
-    using ready_fn = void (*)(void* owner) noexcept;
+    using ready_fn = void (*)(void* owner, unsigned revents) noexcept;
     using error_fn = void (*)(void* owner, int err) noexcept; // err: a positive errno
 
-    // Arms the poll. Throws std::system_error naming io_uring_submit.
+    // Arms the poll for `events`. With `report_shutdown`, the poll's end at ~io_context is
+    // reported to on_error as ECANCELED (for owners whose waiters must learn of it). Throws
+    // std::system_error naming io_uring_submit.
     static fd_watch* start(io_context& ctx, int fd, std::shared_ptr<void> keep_open, void* owner,
-                           ready_fn on_ready, error_fn on_error);
+                           ready_fn on_ready, error_fn on_error, unsigned events = 0x001 /* POLLIN */,
+                           bool report_shutdown = false);
     // For the owner's destructor: cancels the poll and hands the watch over to the kernel's
     // last CQE, or frees it now when none is owed.
     void release() noexcept;
@@ -55,6 +58,8 @@ private:
 
     io_context* ctx_ = nullptr;
     int fd_ = -1;
+    unsigned events_ = 0;
+    bool report_shutdown_ = false;
     std::shared_ptr<void> keep_open_;
     void* owner_ = nullptr; // null once orphaned
     ready_fn on_ready_ = nullptr;
