@@ -192,8 +192,11 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
         } catch (...) {
             // Out of memory: the outcome still counts, without its private data.
         }
-        s->op_result = std::move(d);
-        if (waiter* w = s->op_waiters.pop_front()) w->fulfil(0);
+        // Nobody waits (the step's wait timed out or was stopped): the outcome goes unheard.
+        if (waiter* w = s->op_waiters.pop_front()) {
+            static_cast<cm_step_waiter*>(w)->result = std::move(d);
+            w->fulfil(0);
+        }
         break;
     }
     case RDMA_CM_EVENT_DISCONNECTED:
@@ -208,7 +211,7 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
         s->connected = false;
         while (waiter* w = s->disc_waiters.pop_front()) w->fulfil(0);
         if (waiter* w = s->op_waiters.pop_front()) {
-            s->op_result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
+            static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
             w->fulfil(0);
         }
         break;
@@ -316,7 +319,6 @@ void cm_id::reject(std::span<const std::byte> data) {
 void cm_id::begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
                   std::span<const std::byte> data, const cm_conn_options& conn,
                   const wait_options& options) {
-    s.op_result.reset();
     if (s.closed) throw_system_error(ECANCELED, "cm_id");
     if (s.error != 0) throw_system_error(s.error, "cm_id");
     errno = 0;
@@ -346,7 +348,8 @@ void cm_id::begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
     }
 }
 
-std::vector<std::byte> cm_id::outcome(detail::cm_id_state& s, step k, int wait_error) {
+std::vector<std::byte> cm_id::outcome(step k, int wait_error,
+                                      std::optional<detail::cm_event_data>& result) {
     static constexpr const char* names[] = {"rdma_resolve_addr", "rdma_resolve_route",
                                             "rdma_connect", "rdma_accept"};
     static constexpr rdma_cm_event_type expected[] = {
@@ -355,9 +358,9 @@ std::vector<std::byte> cm_id::outcome(detail::cm_id_state& s, step k, int wait_e
     const auto i = static_cast<std::size_t>(k);
     const char* name = names[i];
     if (wait_error != 0) throw_system_error(wait_error, name);
-    if (!s.op_result) throw_system_error(s.closed ? ECANCELED : s.error != 0 ? s.error : EIO, name);
-    detail::cm_event_data r = std::move(*s.op_result);
-    s.op_result.reset();
+    if (!result) throw_system_error(EIO, name); // fulfilled without an outcome: not expected
+    detail::cm_event_data r = std::move(*result);
+    result.reset();
     if (r.type == expected[i]) return std::move(r.private_data);
     switch (r.type) {
     case RDMA_CM_EVENT_REJECTED:

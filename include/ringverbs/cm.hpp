@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <system_error>
@@ -196,10 +197,11 @@ private:
                       std::span<const std::byte> data, const cm_conn_options& conn,
                       const wait_options& options);
     // Turns a step's outcome into its result or exception.
-    static std::vector<std::byte> outcome(detail::cm_id_state& s, step k, int wait_error);
+    static std::vector<std::byte> outcome(step k, int wait_error,
+                                          std::optional<detail::cm_event_data>& result);
     static void start_disconnect(detail::cm_id_state& s);
 
-    struct step_awaiter : detail::waiter {
+    struct step_awaiter : detail::cm_step_waiter {
         detail::cm_id_state* s;
         step k;
         sockaddr_storage addr{};
@@ -226,15 +228,17 @@ private:
             s->op_waiters.push_back(this);
             start(*s->channel->ctx, options, h, &s->op_waiters, &detail::waiter_queue::detach);
         }
-        std::vector<std::byte> result() { return outcome(*s, k, decided() ? error() : 0); }
+        // Always suspended first, so decided here: the outcome is in this object (see
+        // detail::cm_step_waiter), and *s is not read.
+        std::vector<std::byte> take_result() { return outcome(k, decided() ? error() : EIO, result); }
     };
     struct void_step_awaiter : step_awaiter {
         using step_awaiter::step_awaiter;
-        void await_resume() { result(); }
+        void await_resume() { take_result(); }
     };
     struct data_step_awaiter : step_awaiter {
         using step_awaiter::step_awaiter;
-        std::vector<std::byte> await_resume() { return result(); }
+        std::vector<std::byte> await_resume() { return take_result(); }
     };
 
     struct accept_awaiter : detail::waiter {

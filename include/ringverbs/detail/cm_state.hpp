@@ -37,6 +37,13 @@ struct cm_event_data {
 
 struct cm_id_state;
 
+// The waiter of a step (resolve, connect, accept_connection): the channel hands it the step's
+// outcome with fulfil(0), so that the awaiter never reads the id after resuming (a coroutine
+// resumed before it in the same turn may have destroyed the id).
+struct cm_step_waiter : waiter {
+    std::optional<cm_event_data> result;
+};
+
 struct cm_channel_state {
     io_context* ctx;
     std::shared_ptr<rdma_event_channel> channel;
@@ -65,10 +72,9 @@ struct cm_id_state {
 
     std::shared_ptr<cm_channel_state> channel;
     rdma_cm_id* id = nullptr;
-    // The one step in progress (resolve, connect, accept_connection): its waiter and, once
-    // the event came, its outcome.
+    // The one step in progress (resolve, connect, accept_connection): its waiter
+    // (a cm_step_waiter, which receives the outcome).
     waiter_queue op_waiters;
-    std::optional<cm_event_data> op_result;
     // Listener: requests not yet accepted, and the accept() calls waiting for one.
     std::deque<request> backlog;
     waiter_queue accept_waiters;
