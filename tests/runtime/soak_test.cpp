@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -608,7 +609,13 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
             std::to_string(qps_before) + ", \"kernel_qps_during\": " + std::to_string(qps_during) +
             ", \"kernel_qps_after\": " + std::to_string(qps_after) + "}\n";
     if (const char* path = std::getenv("RINGVERBS_FAULTS_JSON"); path != nullptr && *path != 0) {
-        std::ofstream(path) << json;
+        // The folder may not exist yet (a fresh build: the benchmarks make it later).
+        std::error_code ec;
+        std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+        std::ofstream out(path);
+        out << json;
+        out.close();
+        CHECK_MESSAGE(out.good(), "could not write " << path);
         std::printf("soak: wrote %s\n", path);
     }
     std::fputs(json.c_str(), stdout);
