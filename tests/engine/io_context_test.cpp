@@ -245,13 +245,14 @@ TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop
         }
         ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
     };
+    const auto real_submit = ringverbs::detail::io_uring_hooks().submit;
     io_uring_sqe* sqe = io.get_sqe();
     io_uring_prep_nop(sqe);
     io_uring_sqe_set_data(sqe, static_cast<ringverbs::detail::operation*>(&op));
     std::atomic<int> posted{0};
     std::thread([&] { io.post([&] { ++posted; }); }).join(); // completes the wakeup read
     io.run_once(false); // reaps the NOP's CQE, then the wakeup's: no terminate
-    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept { return io_uring_submit(r); };
+    ringverbs::detail::io_uring_hooks().submit = real_submit;
     CHECK(posted.load() == 1);
     // A loop that blocks is still woken by the next cross-thread post.
     std::atomic<bool> finished{false};

@@ -149,13 +149,15 @@ public:
             io_uring_prep_nop(sqe);
             io_uring_sqe_set_data64(sqe, 0);
         }
+        saved_ = ringverbs::detail::io_uring_hooks().submit;
         ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
     }
-    ~refuse_submission() {
-        ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept { return io_uring_submit(r); };
-    }
+    ~refuse_submission() { ringverbs::detail::io_uring_hooks().submit = saved_; }
     refuse_submission(const refuse_submission&) = delete;
     refuse_submission& operator=(const refuse_submission&) = delete;
+
+private:
+    decltype(ringverbs::detail::uring_hooks::submit) saved_ = nullptr;
 };
 
 // Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a
