@@ -11,10 +11,10 @@
 // of (connection, k), checked in full. SIGINT stops early, with a clean disconnect.
 #include "echo_common.hpp"
 
-#include <ringverbs/channel.hpp>
-#include <ringverbs/cm.hpp>
-#include <ringverbs/cq.hpp>
-#include <ringverbs/qp.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/qp.hpp>
 
 #include <arpa/inet.h>
 #include <unistd.h>
@@ -126,7 +126,7 @@ task<void> connection(client& cl, int number) {
     std::vector<std::byte> buffers(2 * std::size_t{window} * size);
     verbs::memory_region mr(*cl.pd, buffers);
     cq completions(*cl.events, cq_options{.entries = static_cast<int>(2 * window)});
-    qp q(id, *cl.pd, completions, completions, verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window});
+    qp q = id.make_qp(*cl.pd, completions, completions, verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window});
     std::byte* const out = buffers.data();
     std::byte* const in = buffers.data() + std::size_t{window} * size;
     ibv_sge sge{};

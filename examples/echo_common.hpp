@@ -2,7 +2,7 @@
 // device check, signals through the ring, and the few bytes the server tells each client.
 #pragma once
 
-#include <ringverbs/channel.hpp>
+#include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/ringverbs.hpp>
 #include <ringverbs/verbs.hpp>
 

@@ -12,11 +12,11 @@
 // resources released; the others go on. SIGINT or SIGTERM closes every connection and exits 0.
 #include "echo_common.hpp"
 
-#include <ringverbs/channel.hpp>
-#include <ringverbs/cm.hpp>
-#include <ringverbs/cq.hpp>
-#include <ringverbs/device_events.hpp>
-#include <ringverbs/qp.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/device_events.hpp>
+#include <ringverbs/rdma/qp.hpp>
 
 #include <arpa/inet.h>
 #include <unistd.h>
@@ -88,7 +88,7 @@ task<outcome> echo_until_closed(server& s, device_resources& dev, cm_id id) {
     std::vector<std::byte> pool(std::size_t{depth} * size);
     verbs::memory_region mr(dev.pd, pool);
     cq completions(dev.events, cq_options{.entries = static_cast<int>(2 * depth)});
-    qp q(id, dev.pd, completions, completions, verbs::qp_caps{.max_send_wr = depth, .max_recv_wr = depth});
+    qp q = id.make_qp(dev.pd, completions, completions, verbs::qp_caps{.max_send_wr = depth, .max_recv_wr = depth});
     std::vector<std::uint32_t> length(depth); // of the message each slot echoes
     ibv_sge sge{};
     auto post_receive = [&](std::uint64_t slot) {

@@ -1,9 +1,5 @@
 // The README's quick start, verbatim (tests/readme_test.py keeps them equal).
-#include <ringverbs/ringverbs.hpp>
-#include <ringverbs/channel.hpp>
-#include <ringverbs/cq.hpp>
-#include <ringverbs/qp.hpp>
-#include <ringverbs/verbs.hpp>
+#include <ringverbs/rdma.hpp>             // the engine, the verbs wrappers, channel, cq, qp
 using namespace ringverbs;
 
 int main() {

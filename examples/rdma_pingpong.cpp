@@ -6,9 +6,9 @@
 //   rdma_pingpong [--device NAME] [--messages N] [--size BYTES] [--mode events|busy|hybrid]
 //
 // Needs an RDMA device (tools/softroce-vm runs it on Soft-RoCE when the host has none).
-#include <ringverbs/channel.hpp>
-#include <ringverbs/cq.hpp>
-#include <ringverbs/qp.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/qp.hpp>
 #include <ringverbs/ringverbs.hpp>
 #include <ringverbs/verbs.hpp>
 

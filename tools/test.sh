@@ -66,7 +66,7 @@ run_suite engine-gcc build engine
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
 run_suite consumer-gcc build consumer
 run_suite rdma-gcc build "rdma consumer-rdma" vm
-# The soak of the rdma suite (tests/runtime/soak_test.cpp) summarises its run here.
+# The soak of the rdma suite (tests/rdma/soak_test.cpp) summarises its run here.
 if [ -f build/bench-results/faults.json ]; then
     echo "faults.json (build/bench-results/faults.json):"
     cat build/bench-results/faults.json

@@ -1,13 +1,11 @@
-// Everything of the engine in one include.
+// Everything of ringverbs in one include: the engine, the verbs wrappers, the completion
+// runtime and rdma_cm (link ringverbs, which is all three libraries). A program that needs only
+// a layer includes <ringverbs/engine.hpp>, <ringverbs/rdma.hpp> or <ringverbs/cm.hpp>.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
-#include <ringverbs/error.hpp>
-#include <ringverbs/file_io.hpp>
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/poll.hpp>
-#include <ringverbs/socket.hpp>
-#include <ringverbs/task.hpp>
-#include <ringverbs/timer.hpp>
-#include <ringverbs/when_all.hpp>
+#include <ringverbs/cm.hpp>
+#include <ringverbs/engine.hpp>
+#include <ringverbs/rdma.hpp>
+#include <ringverbs/verbs.hpp>

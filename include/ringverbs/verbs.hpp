@@ -1,7 +1,7 @@
 // Umbrella header: every RAII verbs wrapper (ringverbs::verbs).
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/access.hpp>
 #include <ringverbs/verbs/completion_channel.hpp>

@@ -1,6 +1,6 @@
 #include <ringverbs/verbs/completion_channel.hpp>
 
-#include <ringverbs/detail/verbs_hooks.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 

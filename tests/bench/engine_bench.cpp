@@ -7,8 +7,8 @@
 // in our steady state, and writes <out-dir>/engine.json.
 #include "alloc_counter.hpp"
 
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/poll.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/poll.hpp>
 
 #include <liburing.h>
 #include <sys/epoll.h>

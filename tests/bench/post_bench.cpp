@@ -5,7 +5,7 @@
 //   msg_ring  the sender's own ring posts a CQE into the receiver's ring (IORING_OP_MSG_RING)
 //   ours      a coroutine hopping between two io_contexts with co_await ctx.schedule()
 // Prints ns per round trip (median) and writes <out-dir>/post.json.
-#include <ringverbs/io_context.hpp>
+#include <ringverbs/engine/io_context.hpp>
 
 #include <liburing.h>
 #include <sys/eventfd.h>

@@ -39,13 +39,13 @@
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #include "alloc_counter.hpp"
 
-#include <ringverbs/channel.hpp>
-#include <ringverbs/cq.hpp>
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/qp.hpp>
-#include <ringverbs/task.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/engine/task.hpp>
 #include <ringverbs/verbs.hpp>
-#include <ringverbs/when_all.hpp>
+#include <ringverbs/engine/when_all.hpp>
 
 #include <fcntl.h>
 #include <sys/resource.h>

@@ -5,14 +5,14 @@
 // 2. Opens an RDMA device ($RINGVERBS_DEVICE, else $RDMA_DEVICE, else the first one with an
 //    active port), connects two RC queue pairs to each other and co_awaits one send and its
 //    receive. Exits 77 (skip) when there is no RDMA device, 1 on any failure.
-#include <ringverbs/channel.hpp>
-#include <ringverbs/cq.hpp>
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/qp.hpp>
-#include <ringverbs/task.hpp>
-#include <ringverbs/timer.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/engine/task.hpp>
+#include <ringverbs/engine/timer.hpp>
 #include <ringverbs/verbs.hpp>
-#include <ringverbs/when_all.hpp>
+#include <ringverbs/engine/when_all.hpp>
 
 #include <infiniband/verbs.h>
 

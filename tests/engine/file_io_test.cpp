@@ -1,8 +1,8 @@
 #include "fd.hpp"
 
-#include <ringverbs/file_io.hpp>
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/timer.hpp>
+#include <ringverbs/engine/file_io.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/timer.hpp>
 
 #include <doctest/doctest.h>
 

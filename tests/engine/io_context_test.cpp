@@ -1,10 +1,10 @@
 #include "fd.hpp"
 
-#include <ringverbs/detail/uring_hooks.hpp>
-#include <ringverbs/file_io.hpp>
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/poll.hpp>
-#include <ringverbs/timer.hpp>
+#include <ringverbs/engine/detail/uring_hooks.hpp>
+#include <ringverbs/engine/file_io.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/poll.hpp>
+#include <ringverbs/engine/timer.hpp>
 
 #include <doctest/doctest.h>
 

@@ -1,8 +1,8 @@
 #include "fd.hpp"
 
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/poll.hpp>
-#include <ringverbs/timer.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/poll.hpp>
+#include <ringverbs/engine/timer.hpp>
 
 #include <doctest/doctest.h>
 

@@ -1,8 +1,8 @@
 #include "fd.hpp"
 
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/socket.hpp>
-#include <ringverbs/when_all.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/socket.hpp>
+#include <ringverbs/engine/when_all.hpp>
 
 #include <doctest/doctest.h>
 

@@ -1,5 +1,5 @@
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/task.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/task.hpp>
 
 #include <doctest/doctest.h>
 

@@ -1,6 +1,6 @@
-#include <ringverbs/io_context.hpp>
-#include <ringverbs/timer.hpp>
-#include <ringverbs/when_all.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
 
 #include <doctest/doctest.h>
 

@@ -2,7 +2,7 @@
 // rights a buffer or QP grants are visible at the call site.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <infiniband/verbs.h>
 

@@ -2,7 +2,7 @@
 // queues announce "there are new completions". The runtime polls this fd with io_uring.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/context.hpp>
 

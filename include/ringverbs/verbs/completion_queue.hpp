@@ -1,7 +1,7 @@
 // A completion queue (ibv_cq): where the device reports finished work requests.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/completion_channel.hpp>
 #include <ringverbs/verbs/context.hpp>

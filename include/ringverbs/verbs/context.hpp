@@ -1,7 +1,7 @@
 // An open device (ibv_context): the root every other verbs object hangs from.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/device.hpp>
 

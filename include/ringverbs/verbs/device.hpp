@@ -2,7 +2,7 @@
 // ibv_open_device needs; context.hpp opens one.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <infiniband/verbs.h>
 

@@ -1,7 +1,7 @@
 // A registered memory region (ibv_mr): a buffer the device may access, with the rights granted.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/access.hpp>
 #include <ringverbs/verbs/protection_domain.hpp>

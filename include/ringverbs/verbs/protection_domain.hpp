@@ -2,7 +2,7 @@
 // used together.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/context.hpp>
 

@@ -2,7 +2,7 @@
 // RESET -> INIT -> RTR -> RTS.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
 #include <ringverbs/verbs/access.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>

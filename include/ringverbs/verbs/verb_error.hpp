@@ -3,9 +3,9 @@
 // uses so every wrapper reports the verb's name and the real errno.
 #pragma once
 
-#include <ringverbs/detail/config.hpp>
+#include <ringverbs/config.hpp>
 
-#include <ringverbs/error.hpp>
+#include <ringverbs/engine/error.hpp>
 
 #include <cerrno>
 

@@ -1,0 +1,46 @@
+// cm_channel: an rdma_cm event channel on an io_context. Its event fd is watched by a multishot
+// io_uring poll, like a completion channel; its events resume the coroutines awaiting address
+// and route resolution, connect, accept and disconnect of the cm_ids created on it.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/cm/detail/cm_state.hpp>
+#include <ringverbs/engine/io_context.hpp>
+
+#include <cstdint>
+#include <memory>
+
+namespace ringverbs {
+
+class cm_id;
+
+// Owns an rdma_event_channel (O_NONBLOCK, FD_CLOEXEC) attached to `ctx`. One channel serves
+// any number of ids, listening and connecting ones at once. Events are read, routed to their
+// id and acked (rdma_ack_cm_event) in the same loop turn the fd turns readable.
+//
+// Lifetime: the channel's state lives until its last id is gone (rdma_destroy_event_channel
+// only after every rdma_destroy_id), so the handles may be destroyed in any order. Everything
+// must be destroyed before the io_context, on its thread.
+class cm_channel {
+public:
+    // Throws std::system_error naming rdma_create_event_channel (ENODEV: no rdma_cm support;
+    // EMFILE), fcntl, or io_uring_submit.
+    explicit cm_channel(io_context& ctx);
+    ~cm_channel();
+    cm_channel(const cm_channel&) = delete;
+    cm_channel& operator=(const cm_channel&) = delete;
+
+    io_context& context() const noexcept { return *state_->ctx; }
+    int fd() const noexcept { return state_->channel->fd; }
+    // rdma_cm events read so far.
+    std::uint64_t events() const noexcept { return state_->events; }
+    // How many times the kernel ended the multishot poll on the fd and it was re-armed.
+    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
+
+private:
+    friend class cm_id;
+    std::shared_ptr<detail::cm_channel_state> state_;
+};
+
+} // namespace ringverbs

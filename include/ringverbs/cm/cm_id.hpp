@@ -1,0 +1,311 @@
+// cm_id: an rdma_cm identifier on a cm_channel, whose steps (resolve, listen, connect, accept,
+// disconnect) coroutines co_await, and the qps made on it.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/cm/cm_channel.hpp>
+#include <ringverbs/cm/detail/cm_state.hpp>
+#include <ringverbs/engine/detail/waiter.hpp>
+#include <ringverbs/engine/error.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/verbs/completion_queue.hpp>
+#include <ringverbs/verbs/context.hpp>
+#include <ringverbs/verbs/protection_domain.hpp>
+#include <ringverbs/verbs/queue_pair.hpp>
+
+#include <rdma/rdma_cma.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace ringverbs {
+
+// The peer refused the connection (RDMA_CM_EVENT_REJECTED): a std::system_error with
+// errc::connection_refused naming rdma_connect, whose what() names the reject reason.
+class connection_rejected : public std::system_error {
+public:
+    connection_rejected(int reason, std::string reason_text, std::vector<std::byte> data);
+    // The transport's reason code (IB CM on RoCE: 28 = the peer called rdma_reject, 8 = no
+    // listener on that port).
+    int reason() const noexcept { return reason_; }
+    // True when the peer's application rejected (rdma_reject), not its CM.
+    bool by_peer_application() const noexcept { return reason_ == 28; }
+    // The private data the peer attached to its reject. IB CM pads it to a fixed size with
+    // zeros (148 bytes on RoCE): compare the prefix you sent.
+    std::span<const std::byte> private_data() const noexcept { return data_; }
+
+private:
+    int reason_;
+    std::vector<std::byte> data_;
+};
+
+// Connection parameters of connect() and accept_connection() besides the private data.
+struct cm_conn_options {
+    // RDMA reads/atomics outstanding as responder / as initiator (<= the device's limits).
+    std::uint8_t responder_resources = 1;
+    std::uint8_t initiator_depth = 1;
+    std::uint8_t retry_count = 7;
+    std::uint8_t rnr_retry_count = 7; // 7: retry forever
+    // A constructor, not an aggregate, because of GCC 12's double destruction of aggregate
+    // temporaries in co_await expressions.
+    cm_conn_options() noexcept {}
+};
+
+// Owns an rdma_cm_id (RDMA_PS_TCP, reliable connected) on a cm_channel. A connecting id goes
+//   co_await id.resolve_addr(dst); co_await id.resolve_route(); qp q(id, pd, cq, cq);
+//   co_await id.connect(private_data);
+// a listening one
+//   id.listen(addr); cm_id c = co_await id.accept(); qp q(c, pd, cq, cq);
+//   co_await c.accept_connection(private_data);
+// and either side ends with co_await disconnect(), the other learning it from
+// co_await disconnected(). When the peer disconnects (or its process dies), the id answers at
+// once: its QP goes to the error state, so every request still posted on it completes with
+// IBV_WC_WR_FLUSH_ERR and every await on the qp resumes. A step fails with a std::system_error naming the rdma_* call and
+// its errno; the asynchronous steps also take wait_options (timed_out, operation_canceled:
+// a step that timed out or was cancelled leaves the id mid-way, destroy it).
+//
+// One step at a time per id: resolve_addr, resolve_route, connect and accept_connection each
+// wait for their own event; accept() and disconnected() may wait alongside.
+//
+// Lifetime: destroying the handle resumes its waiters with operation_canceled; a qp made on
+// the id keeps the rdma_cm_id (rdma_destroy_qp, then rdma_destroy_id). An incoming request
+// dropped unanswered is rejected. Destroy before the io_context, on its thread.
+class cm_id {
+public:
+    // Throws std::system_error naming rdma_create_id.
+    explicit cm_id(cm_channel& ch);
+    ~cm_id();
+    // Moving transfers the id; the moved-from handle is empty and may only be destroyed or
+    // assigned to.
+    cm_id(cm_id&& other) noexcept = default;
+    cm_id& operator=(cm_id&& other) noexcept;
+    cm_id(const cm_id&) = delete;
+    cm_id& operator=(const cm_id&) = delete;
+
+    explicit operator bool() const noexcept { return state_ != nullptr; }
+    // The raw id (owned: do not destroy). Its context field is ringverbs'.
+    rdma_cm_id* native() const noexcept { return state_->id; }
+
+    // The device the id is bound to, as librdmacm opened it: create the PD and the channel of
+    // the CQs of a qp on this id from it. Known after resolve_addr, listen on a device's
+    // address, or for an accepted id. Throws std::system_error(ENODEV) naming cm_id::device
+    // before, or naming rdma_get_devices.
+    verbs::context device() const;
+    // The port of device() the id uses (1-based).
+    std::uint8_t port_num() const noexcept { return state_->id->port_num; }
+
+    // rdma_bind_addr + rdma_listen on `addr` (port 0: any; its port then in local_port()).
+    // Throws std::system_error naming the call (EADDRINUSE, EADDRNOTAVAIL).
+    void listen(const sockaddr* addr, int backlog = 16);
+    // The local port in host order (after listen, or once connected).
+    std::uint16_t local_port() const noexcept;
+
+    // co_await id.accept(): the next connection request on a listener, as a new cm_id with its
+    // own state (request_data() has the request's private data). Answer it with
+    // accept_connection() after making its qp, or reject(). Errors: std::system_error
+    // "cm_id::accept" with timed_out, operation_canceled (stop_token, or the handle went), or
+    // the channel's errno.
+    auto accept(wait_options options = {}) noexcept;
+    // The private data of the connection request (IB CM pads it with zeros to 56 bytes).
+    std::span<const std::byte> request_data() const noexcept { return state_->request_data; }
+
+    // co_await id.resolve_addr(dst): rdma_resolve_addr, then its event. `dst` is copied.
+    // The kernel's own resolution timeout is options.timeout (2 s without one). Throws
+    // std::system_error naming rdma_resolve_addr (ENETUNREACH, EHOSTUNREACH, ETIMEDOUT, ...).
+    auto resolve_addr(const sockaddr* dst, wait_options options = {}) noexcept;
+    // co_await id.resolve_route(): rdma_resolve_route, then its event. Throws naming
+    // rdma_resolve_route.
+    auto resolve_route(wait_options options = {}) noexcept;
+    // co_await id.connect(data): rdma_connect with `data` as private data (<= 56 bytes on
+    // RoCE; copied), then ESTABLISHED. Needs the id's qp. Gives the private data of the peer's
+    // accept (zero-padded by IB CM). Throws connection_rejected when the peer refused, or
+    // std::system_error naming rdma_connect (ETIMEDOUT, EHOSTUNREACH, ECONNRESET if the
+    // connection went before it was established).
+    auto connect(std::span<const std::byte> data = {}, wait_options options = {},
+                 cm_conn_options conn = {}) noexcept;
+    // co_await c.accept_connection(data): rdma_accept of an accepted request, then
+    // ESTABLISHED. Needs the id's qp. Throws std::system_error naming rdma_accept.
+    auto accept_connection(std::span<const std::byte> data = {}, wait_options options = {},
+                           cm_conn_options conn = {}) noexcept;
+    // Refuses an accepted request; the connector gets connection_rejected with `data`
+    // (<= 148 bytes on RoCE). Throws std::system_error naming rdma_reject.
+    void reject(std::span<const std::byte> data = {});
+
+    // co_await id.disconnect(): rdma_disconnect (the QP goes to the error state, flushing its
+    // requests), then DISCONNECTED. Returns at once if already disconnected. Throws naming
+    // rdma_disconnect.
+    auto disconnect(wait_options options = {}) noexcept;
+    // co_await id.disconnected(): resumes when the connection is gone (either side
+    // disconnected, or the peer vanished). Throws std::system_error "cm_id::disconnected" with
+    // timed_out or operation_canceled.
+    auto disconnected(wait_options options = {}) noexcept;
+    bool is_disconnected() const noexcept { return state_->disconnected; }
+
+    // The qp of this connection: created by rdma_create_qp on `pd` (of device(), else EINVAL)
+    // with the cqs (whose channel must be on device() too), moved through its states by
+    // connect / accept_connection, destroyed by rdma_destroy_qp once nothing is owed. The qp
+    // keeps the id's state alive; this handle may go first. Throws std::system_error naming
+    // rdma_create_qp, or as qp's constructor (EINVAL: overcommitted cqs).
+    qp make_qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
+               const verbs::qp_caps& caps = {}, qp_options options = {});
+    // The bare verbs QP for this id (rdma_create_qp on `pd` with the given CQs; destroyed by
+    // rdma_destroy_qp), for those who post and poll themselves. Throws naming rdma_create_qp.
+    verbs::queue_pair create_qp(const verbs::protection_domain& pd,
+                                const verbs::completion_queue& send_cq,
+                                const verbs::completion_queue& recv_cq,
+                                const verbs::qp_caps& caps = {});
+
+private:
+    friend struct detail::cm_channel_state;
+    explicit cm_id(std::shared_ptr<detail::cm_id_state> s) noexcept : state_(std::move(s)) {}
+
+    enum class step { resolve_addr, resolve_route, connect, accept };
+
+    // Starts a step (the rdma_* call) and clears the previous outcome. Throws.
+    static void begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
+                      std::span<const std::byte> data, const cm_conn_options& conn,
+                      const wait_options& options);
+    // Turns a step's outcome into its result or exception.
+    static std::vector<std::byte> outcome(step k, int wait_error,
+                                          std::optional<detail::cm_event_data>& result);
+    static void start_disconnect(detail::cm_id_state& s);
+
+    struct step_awaiter : detail::cm_step_waiter {
+        detail::cm_id_state* s;
+        step k;
+        sockaddr_storage addr{};
+        std::span<const std::byte> data;
+        cm_conn_options conn;
+        wait_options options;
+
+        step_awaiter(detail::cm_id_state* st, step kind, const sockaddr* dst,
+                     std::span<const std::byte> d, cm_conn_options c, wait_options o) noexcept
+            : s(st), k(kind), data(d), conn(c), options(std::move(o)) {
+            if (dst) {
+                const std::size_t len =
+                    dst->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+                std::memcpy(&addr, dst, len);
+            }
+        }
+        step_awaiter(const step_awaiter&) = delete;
+        // The event cannot come before we suspend: events are read on this thread, by the loop.
+        bool await_ready() {
+            begin(*s, k, &addr, data, conn, options);
+            return false;
+        }
+        void await_suspend(std::coroutine_handle<> h) {
+            s->op_waiters.push_back(this);
+            start(*s->channel->ctx, options, h, &s->op_waiters, &detail::waiter_queue::detach);
+        }
+        // Always suspended first, so decided here: the outcome is in this object (see
+        // detail::cm_step_waiter), and *s is not read.
+        std::vector<std::byte> take_result() { return outcome(k, decided() ? error() : EIO, result); }
+    };
+    struct void_step_awaiter : step_awaiter {
+        using step_awaiter::step_awaiter;
+        void await_resume() { take_result(); }
+    };
+    struct data_step_awaiter : step_awaiter {
+        using step_awaiter::step_awaiter;
+        std::vector<std::byte> await_resume() { return take_result(); }
+    };
+
+    struct accept_awaiter : detail::waiter {
+        detail::cm_id_state* s;
+        wait_options options;
+        std::shared_ptr<detail::cm_id_state> taken; // set by the channel before fulfil(0)
+
+        accept_awaiter(detail::cm_id_state* st, wait_options o) noexcept
+            : s(st), options(std::move(o)) {}
+        accept_awaiter(const accept_awaiter&) = delete;
+        bool await_ready() noexcept {
+            if (!s->backlog.empty()) {
+                taken = std::move(s->backlog.front().id);
+                s->backlog.pop_front();
+                return true;
+            }
+            return s->closed || s->error != 0;
+        }
+        void await_suspend(std::coroutine_handle<> h) {
+            s->accept_waiters.push_back(this);
+            start(*s->channel->ctx, options, h, &s->accept_waiters, &detail::waiter_queue::detach);
+        }
+        cm_id await_resume() {
+            int err = decided() ? error() : 0;
+            if (!taken) {
+                if (err == 0) err = s->closed ? ECANCELED : s->error;
+                throw_system_error(err, "cm_id::accept");
+            }
+            return cm_id(std::move(taken));
+        }
+    };
+
+    struct disc_awaiter : detail::waiter {
+        detail::cm_id_state* s;
+        bool initiate;
+        wait_options options;
+
+        disc_awaiter(detail::cm_id_state* st, bool init, wait_options o) noexcept
+            : s(st), initiate(init), options(std::move(o)) {}
+        disc_awaiter(const disc_awaiter&) = delete;
+        bool await_ready() {
+            if (s->disconnected || s->closed || s->error != 0) return true;
+            if (initiate) start_disconnect(*s);
+            return s->disconnected;
+        }
+        void await_suspend(std::coroutine_handle<> h) {
+            s->disc_waiters.push_back(this);
+            start(*s->channel->ctx, options, h, &s->disc_waiters, &detail::waiter_queue::detach);
+        }
+        void await_resume() {
+            // Decided: fulfilled (0: the DISCONNECTED event) or failed; *s is not read, since
+            // a coroutine resumed before this one may have destroyed the id. Not decided: it
+            // was ready at once and *s is alive.
+            const int err = decided()            ? error()
+                            : s->disconnected    ? 0
+                            : s->closed          ? ECANCELED
+                                                 : s->error;
+            if (err != 0) throw_system_error(err, initiate ? "rdma_disconnect" : "cm_id::disconnected");
+        }
+    };
+
+    std::shared_ptr<detail::cm_id_state> state_;
+};
+
+inline auto cm_id::accept(wait_options options) noexcept {
+    return accept_awaiter{state_.get(), std::move(options)};
+}
+inline auto cm_id::resolve_addr(const sockaddr* dst, wait_options options) noexcept {
+    return void_step_awaiter{state_.get(), step::resolve_addr, dst, {}, {}, std::move(options)};
+}
+inline auto cm_id::resolve_route(wait_options options) noexcept {
+    return void_step_awaiter{state_.get(), step::resolve_route, nullptr, {}, {}, std::move(options)};
+}
+inline auto cm_id::connect(std::span<const std::byte> data, wait_options options,
+                           cm_conn_options conn) noexcept {
+    return data_step_awaiter{state_.get(), step::connect, nullptr, data, conn, std::move(options)};
+}
+inline auto cm_id::accept_connection(std::span<const std::byte> data, wait_options options,
+                                     cm_conn_options conn) noexcept {
+    return void_step_awaiter{state_.get(), step::accept, nullptr, data, conn, std::move(options)};
+}
+inline auto cm_id::disconnect(wait_options options) noexcept {
+    return disc_awaiter{state_.get(), true, std::move(options)};
+}
+inline auto cm_id::disconnected(wait_options options) noexcept {
+    return disc_awaiter{state_.get(), false, std::move(options)};
+}
+
+} // namespace ringverbs

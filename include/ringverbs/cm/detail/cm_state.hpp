@@ -1,0 +1,102 @@
+// The runtime's state behind cm_channel and cm_id. Shared ownership runs one way:
+// (a qp made on an id) -> cm_id_state -> cm_channel_state, so that rdma_destroy_qp comes before
+// rdma_destroy_id, and every id is destroyed before its event channel, whatever order the user
+// drops the handles in.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/engine/detail/fd_watch.hpp>
+
+#include <ringverbs/engine/detail/operation.hpp>
+#include <ringverbs/engine/detail/waiter.hpp>
+#include <ringverbs/engine/io_context.hpp>
+
+#include <rdma/rdma_cma.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace ringverbs::detail {
+
+struct cm_channel_state;
+
+// What a waiter needs of one rdma_cm event, copied out so that the event is acked at once
+// (rdma_destroy_id blocks until every event of its id has been acked).
+struct cm_event_data {
+    rdma_cm_event_type type = RDMA_CM_EVENT_ADDR_ERROR;
+    // 0, a negative errno (ADDR_ERROR, ROUTE_ERROR, UNREACHABLE, CONNECT_ERROR), or for
+    // REJECTED the transport's reject reason (IB CM: 28 is a consumer's rdma_reject).
+    int status = 0;
+    std::vector<std::byte> private_data;
+};
+
+struct cm_id_state;
+
+// The waiter of a step (resolve, connect, accept_connection): the channel hands it the step's
+// outcome with fulfil(0), so that the awaiter never reads the id after resuming (a coroutine
+// resumed before it in the same turn may have destroyed the id).
+struct cm_step_waiter : waiter {
+    std::optional<cm_event_data> result;
+};
+
+struct cm_channel_state {
+    io_context* ctx;
+    std::shared_ptr<rdma_event_channel> channel;
+    fd_watch* watch = nullptr; // the multishot poll on the event channel's fd
+    std::vector<cm_id_state*> ids; // live ids (raw: each removes itself), to fail on poll error
+    std::uint64_t events = 0;      // rdma_cm events read
+    int error = 0;                 // a failure of the fd poll or of rdma_get_cm_event: dead
+
+    explicit cm_channel_state(io_context& c);
+    ~cm_channel_state();
+    cm_channel_state(const cm_channel_state&) = delete;
+    cm_channel_state& operator=(const cm_channel_state&) = delete;
+
+    // Reads every pending event (until EAGAIN), routes and acks each.
+    void drain() noexcept;
+    void dispatch(const rdma_cm_event& ev) noexcept;
+    void fail(int err) noexcept;
+};
+
+// One rdma_cm_id and what its awaits wait for. id->context points here.
+struct cm_id_state {
+    // A connection request that no accept() has taken yet.
+    struct request {
+        std::shared_ptr<cm_id_state> id;
+    };
+
+    std::shared_ptr<cm_channel_state> channel;
+    rdma_cm_id* id = nullptr;
+    // The one step in progress (resolve, connect, accept_connection): its waiter
+    // (a cm_step_waiter, which receives the outcome).
+    waiter_queue op_waiters;
+    // Listener: requests not yet accepted, and the accept() calls waiting for one.
+    std::deque<request> backlog;
+    waiter_queue accept_waiters;
+    // disconnect() / disconnected() waiters; `disconnected` is sticky.
+    waiter_queue disc_waiters;
+    bool disconnected = false;
+    bool disconnect_sent = false; // rdma_disconnect was called (by us, or answering the peer)
+    bool connected = false;
+    // An incoming request not yet answered: it is rejected if the id goes unanswered.
+    bool unanswered = false;
+    std::vector<std::byte> request_data; // private data of the connection request
+    int error = 0;                       // ENODEV after DEVICE_REMOVAL, or the channel's error
+    bool closed = false;                 // the user's handle is gone
+
+    // Takes ownership of `raw` (rdma_destroy_id when the last share goes), sets its context
+    // and joins the channel's ids. Throws std::bad_alloc, leaving `raw` to the caller.
+    cm_id_state(std::shared_ptr<cm_channel_state> ch, rdma_cm_id* raw);
+    ~cm_id_state();
+    cm_id_state(const cm_id_state&) = delete;
+    cm_id_state& operator=(const cm_id_state&) = delete;
+
+    void fail_all(int err) noexcept;
+};
+
+} // namespace ringverbs::detail

@@ -1,0 +1,72 @@
+// channel: a completion channel served by an io_context. Its fd is watched by a multishot
+// io_uring poll; when it turns readable the channel reads every pending CQ event, acks them in
+// batches, re-arms each CQ and polls it until empty, then hands the completions to the
+// coroutines awaiting them.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/rdma/detail/rdma_state.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/verbs/context.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+
+namespace ringverbs {
+
+struct channel_options {
+    // When several channels of one io_context have completions in the same loop turn, the
+    // coroutines of the higher priority resume first.
+    int priority = 0;
+    polling_mode mode = polling_mode::events;
+    // hybrid: how long to keep polling after the last completion before arming and sleeping.
+    std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
+    // Events are acked per CQ once this many are unacked (ibv_ack_cq_events takes a mutex),
+    // and always all of them before the CQ is destroyed.
+    std::uint32_t ack_batch = 64;
+    // Completions fetched per ibv_poll_cq call.
+    unsigned poll_batch = 32;
+    // hybrid, adaptive spin: when longer than hybrid_spin, the window adapts between the two.
+    // A completion that wakes the channel within hybrid_spin_max of the one before (the peer
+    // answered just after the window closed: each round trip would cost a sleep and a
+    // wakeup) widens the window to twice that gap, at most hybrid_spin_max; a gap longer than
+    // hybrid_spin_max (idle) sets it back to hybrid_spin. So CPU is spent only while the
+    // traffic comes back within hybrid_spin_max. 0 (default): the window is hybrid_spin.
+    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
+};
+
+class cq;
+
+// Owns an ibv_comp_channel (O_NONBLOCK, FD_CLOEXEC) attached to `ctx`. Many CQs may share one
+// channel; several channels may serve one device (to route CQs to different threads, each with
+// its own io_context, or to give groups of CQs different priorities).
+//
+// Lifetime: the channel's state lives until its last CQ is gone, so the handles may be
+// destroyed in any order. Everything must be destroyed before the io_context, on its thread.
+class channel {
+public:
+    // Throws std::system_error naming ibv_create_comp_channel (EMFILE: out of file
+    // descriptors), fcntl, or io_uring_submit.
+    channel(io_context& ctx, const verbs::context& device, channel_options options = {});
+    ~channel();
+    channel(const channel&) = delete;
+    channel& operator=(const channel&) = delete;
+
+    const channel_counters& counters() const noexcept { return state_->counters; }
+    polling_mode mode() const noexcept { return state_->options.mode; }
+    int priority() const noexcept { return state_->options.priority; }
+    io_context& context() const noexcept { return *state_->ctx; }
+    int fd() const noexcept { return state_->channel.fd(); }
+    // hybrid: the spin window in force (hybrid_spin, or between it and hybrid_spin_max).
+    std::chrono::nanoseconds spin_window() const noexcept { return state_->spin_window; }
+    // How many times the kernel ended the multishot poll on the fd and it was re-armed.
+    std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
+
+private:
+    friend class cq;
+    std::shared_ptr<detail::channel_state> state_;
+};
+
+} // namespace ringverbs

@@ -1,0 +1,42 @@
+// completion_error: a work completion that did not succeed, as an exception.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/engine/error.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <string>
+#include <system_error>
+
+namespace ringverbs {
+
+// The std::error_category of ibv_wc_status values: message() is ibv_wc_status_str().
+const std::error_category& wc_status_category() noexcept;
+
+inline std::error_code make_error_code(ibv_wc_status s) noexcept {
+    return {static_cast<int>(s), wc_status_category()};
+}
+
+// Thrown by a per-request await whose work completion failed. code() is the ibv_wc_status in
+// wc_status_category(); what() reads "<operation>: <ibv_wc_status_str> (status N, vendor_err
+// M)", e.g. "ibv_post_send(SEND): transport retry counter exceeded (status 12, ...)".
+// A request cancelled through its stop_token or timeout throws std::system_error with
+// errc::operation_canceled / errc::timed_out instead, once its flush completion arrived.
+class completion_error : public std::system_error {
+public:
+    completion_error(const ibv_wc& wc, const char* operation);
+    ibv_wc_status status() const noexcept { return static_cast<ibv_wc_status>(code().value()); }
+    std::uint32_t vendor_err() const noexcept { return vendor_err_; }
+    std::uint64_t wr_id() const noexcept { return wr_id_; }
+
+private:
+    std::uint32_t vendor_err_;
+    std::uint64_t wr_id_;
+};
+
+} // namespace ringverbs
+
+template <>
+struct std::is_error_code_enum<ibv_wc_status> : std::true_type {};

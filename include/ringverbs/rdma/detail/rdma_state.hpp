@@ -1,0 +1,285 @@
+// The runtime's state behind channel, cq and qp. Shared ownership runs one way:
+// qp_state -> cq_state -> channel_state, so that a user may destroy the handles in any order:
+// a channel keeps serving its CQs until the last one is gone, a CQ lives while a QP uses it.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/engine/detail/fd_watch.hpp>
+#include <ringverbs/engine/detail/operation.hpp>
+#include <ringverbs/engine/detail/waiter.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/verbs/completion_channel.hpp>
+#include <ringverbs/verbs/completion_queue.hpp>
+#include <ringverbs/verbs/context.hpp>
+#include <ringverbs/verbs/queue_pair.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace ringverbs {
+
+// How a channel learns that its CQs have completions.
+enum class polling_mode {
+    events, // arm the CQs and sleep until the channel's fd turns readable: no CPU when idle
+    busy,   // poll every CQ every loop turn, never arm: lowest latency, one core spinning
+    hybrid, // after a completion keep polling for channel_options::hybrid_spin (adaptive up to
+            // hybrid_spin_max), then arm and sleep
+};
+
+struct channel_counters {
+    std::uint64_t wakeups = 0;     // times the channel's fd was reported readable
+    std::uint64_t events = 0;      // CQ events read with ibv_get_cq_event
+    std::uint64_t acks = 0;        // ibv_ack_cq_events calls
+    std::uint64_t arms = 0;        // ibv_req_notify_cq calls
+    std::uint64_t polls = 0;       // ibv_poll_cq calls
+    std::uint64_t empty_polls = 0; // ibv_poll_cq calls that found nothing
+    std::uint64_t completions = 0; // work completions polled
+    std::uint64_t arm_retries = 0; // ibv_req_notify_cq failed for a while: armed again later
+};
+
+struct cq_counters {
+    std::uint64_t events = 0;
+    std::uint64_t acks = 0;         // ibv_ack_cq_events calls
+    std::uint64_t acked_events = 0; // events acked by those calls
+    std::uint64_t arms = 0;
+    std::uint64_t polls = 0;
+    std::uint64_t empty_polls = 0;
+    std::uint64_t completions = 0;
+};
+
+// What became of a qp's unsignaled sends and writes (send_options::signaled = false).
+struct qp_counters {
+    // Posted without a completion to wait for: their awaits ended right after posting.
+    std::uint64_t unsignaled = 0;
+    // Of those, posted signaled all the same (one in signal_interval(), so that the send queue
+    // slots of the ones before are freed); the qp consumes their completions itself.
+    std::uint64_t forced_signaled = 0;
+    // Asked to be unsignaled but posted signaled and awaited like any other request, because
+    // too many unsignaled ones were not yet confirmed by a completion (back pressure).
+    std::uint64_t throttled = 0;
+    // Completions with IBV_WC_WR_FLUSH_ERR of unsignaled or forced-signaled requests (the QP
+    // went to the error state while they were outstanding).
+    std::uint64_t flushed = 0;
+    // Completions with any other error status of unsignaled or forced-signaled requests.
+    std::uint64_t failed = 0;
+};
+
+namespace detail {
+
+struct qp_state;
+struct cq_state;
+
+// A posted work request that a coroutine awaits. wr_id carries its address, tagged.
+struct wr_op {
+    void (*on_wc)(wr_op* self, const ibv_wc& wc, bool last) noexcept = nullptr;
+    wr_op* prev = nullptr; // the QP's list of requests still owed a completion
+    wr_op* next = nullptr;
+};
+
+// wr_id values with the top bit set belong to ringverbs' per-request awaits; bit 62 marks the
+// last request of a chain, whose completion ends the await. Other wr_ids go to cq::next().
+inline constexpr std::uint64_t wr_tag_ours = std::uint64_t{1} << 63;
+inline constexpr std::uint64_t wr_tag_last = std::uint64_t{1} << 62;
+inline std::uint64_t wr_id_for(wr_op* op, bool last) noexcept {
+    return reinterpret_cast<std::uintptr_t>(op) | wr_tag_ours | (last ? wr_tag_last : 0);
+}
+
+struct channel_options_data {
+    int priority = 0;
+    polling_mode mode = polling_mode::events;
+    std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
+    std::uint32_t ack_batch = 64;
+    unsigned poll_batch = 32;
+    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
+};
+
+struct channel_state {
+    struct service_poller : poller {
+        channel_state* owner;
+    };
+
+    io_context* ctx;
+    verbs::completion_channel channel;
+    // A share of the device: the channel's CQs are made on it, whatever became of the
+    // verbs::context the channel was made from (a temporary, a moved-from object).
+    verbs::context device;
+    channel_options_data options;
+    channel_counters counters;
+    fd_watch* watch = nullptr; // the multishot poll on the channel's fd
+    service_poller service;
+    bool fd_ready = false;  // the fd was reported readable: drain events this turn
+    bool spinning = false;  // busy, or hybrid within its spin window
+    std::chrono::steady_clock::time_point last_completion{};
+    std::chrono::nanoseconds spin_window{}; // hybrid: options.hybrid_spin, or adapted
+    int next_vector = 0;
+    // CQs armed and not yet fired. Each raises at most one event per arm, so once this is 0
+    // no event can be pending and reading the fd again would only return EAGAIN.
+    std::size_t armed_cqs = 0;
+    std::uint32_t spin_turns = 0;
+    std::vector<cq_state*> cqs; // attached CQs (raw: each removes itself)
+    std::vector<cq_state*> fired; // CQs with an event this turn
+    int error = 0;           // a failure of the fd poll: the channel is dead
+    bool rearm_due = false;  // a CQ's arming failed for a while: arm it on the next pass
+
+    channel_state(io_context& c, const verbs::context& dev, channel_options_data o);
+    ~channel_state();
+    channel_state(const channel_state&) = delete;
+    channel_state& operator=(const channel_state&) = delete;
+
+    void run_service() noexcept;
+    std::size_t rearm_unarmed() noexcept;
+    void adapt_spin(std::chrono::nanoseconds gap) noexcept;
+    std::size_t drain_cq(cq_state& cq) noexcept;
+    void fail(int err) noexcept;
+};
+
+struct cq_state {
+    // The wr_id of every unsignaled request whose send queue completes here: such a request
+    // produces a completion only when it fails or is flushed, possibly after its qp is gone,
+    // so the wr_id names this object, which lives as long as the CQ itself. It counts the
+    // failure on the qp (found by qp_num) when that qp is still there.
+    struct unsignaled_sink : wr_op {
+        cq_state* owner = nullptr;
+    };
+
+    std::shared_ptr<channel_state> channel;
+    verbs::completion_queue cq;
+    bool solicited_only = false;
+    bool armed = false;
+    bool closed = false; // the user's cq handle is gone: next() consumers are no more
+    int error = 0; // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
+    cq_counters counters;
+    waiter_queue waiters;
+    // A next_batch() waiter fulfilled during the current poll with room left: the poll's
+    // further completions go to it too. It cannot have resumed yet (coroutines resume after
+    // the poll); drain_cq clears this at its end, before it could.
+    waiter* filling = nullptr;
+    // Completions nobody waits for yet, for next(). A ring with the CQ's capacity, grown
+    // (allocation) only if consumers fall behind by more than that.
+    std::vector<ibv_wc> buffer;
+    std::size_t head = 0;
+    std::size_t count = 0;
+    std::vector<qp_state*> qps; // QPs using this CQ (raw: each removes itself)
+    // Completions the QPs on this CQ can produce at once (their send or receive queue
+    // capacities), for the overrun check at qp creation.
+    std::size_t committed = 0;
+    unsignaled_sink unsignaled;
+
+    cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited);
+    ~cq_state();
+    cq_state(const cq_state&) = delete;
+    cq_state& operator=(const cq_state&) = delete;
+
+    void dispatch(const ibv_wc& wc) noexcept;
+    void deliver(const ibv_wc& wc) noexcept;
+    bool pop(ibv_wc& out) noexcept;
+    void arm() noexcept;
+    void set_armed(bool on) noexcept;
+    void fail_waiters(int err) noexcept;
+};
+
+struct qp_state {
+    // The wr_id of the signaled request posted every signal_interval unsignaled ones. Each
+    // such request is owed a completion like an awaited one: counted in pending_count, the
+    // sink sits in the pending list while any is outstanding, and teardown waits for them.
+    struct sink_op : wr_op {
+        qp_state* owner = nullptr;
+    };
+    // How many forced-signaled requests may be unconfirmed before the next one is awaited
+    // instead (throttled): bounds the send queue slots held by unsignaled requests to about
+    // (max_sink_outstanding + 1) * signal_interval.
+    static constexpr std::size_t max_sink_outstanding = 2;
+
+    std::shared_ptr<cq_state> send_cq;
+    std::shared_ptr<cq_state> recv_cq;
+    verbs::queue_pair qp;
+    wr_op* pending = nullptr; // requests owed a completion (intrusive list)
+    std::size_t pending_count = 0;
+    // We moved the QP to the error state (to_error, or reset() to RESET clears it). It stays
+    // set until a post finds the QP out of that state (the user reset and connected it).
+    bool in_error = false;
+    bool posted_in_error = false; // the request being posted goes to a QP in the error state
+    // An async error event named this QP (device_events): QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
+    bool async_failed = false;
+    ibv_event_type async_error{};
+    sink_op sink;
+    std::size_t sink_outstanding = 0;   // forced-signaled requests owed a completion
+    std::uint32_t signal_interval = 1;  // at least one signaled in this many unsignaled
+    std::uint32_t unsignaled_run = 0;   // unsignaled posted since the last signaled one
+    qp_counters counters;
+    std::optional<ibv_wc> unsignaled_failure; // the first non-flush failure of one of them
+
+    // The bounded flush: armed while the QP is in the error state with requests owed.
+    struct flush_timer_op : operation {
+        qp_state* owner = nullptr;
+    };
+
+    io_context* ctx;
+    std::chrono::nanoseconds flush_timeout;
+    flush_timer_op flush_timer;
+    __kernel_timespec flush_ts{};
+    bool flush_timer_armed = false;
+    // Set by ~qp while requests are still owed: the state owns itself until the last one
+    // completes (or is declared never flushed), then frees itself from its flush timer's CQE.
+    std::shared_ptr<qp_state> keep_alive;
+    waiter_queue close_waiters; // qp::close(): resumed once nothing is owed
+    std::size_t committed_send = 0; // what this QP added to send_cq->committed
+    std::size_t committed_recv = 0;
+
+    // `flush_timeout`: see qp_options. `overcommit`: allow the QPs on a CQ to hold more
+    // requests than the CQ has entries (else EINVAL).
+    qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
+             std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
+             std::chrono::nanoseconds flush_timeout, bool overcommit);
+    // A QP created elsewhere on these CQs (rdma_create_qp for a cm_id).
+    qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq, verbs::queue_pair q,
+             std::chrono::nanoseconds flush_timeout, bool overcommit);
+    ~qp_state();
+    qp_state(const qp_state&) = delete;
+    qp_state& operator=(const qp_state&) = delete;
+
+    void link(wr_op* op) noexcept;
+    void unlink(wr_op* op) noexcept;
+    // The last owed request completed.
+    void owed_nothing() noexcept;
+    // A forced-signaled request was posted / its completion arrived.
+    void sink_posted() noexcept;
+    static void sink_completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
+    // Counts the completion of an unsignaled or forced-signaled request.
+    void note_unsignaled(const ibv_wc& wc) noexcept;
+    // Moves the QP to the error state (flushing every outstanding request) and starts the
+    // bounded flush. Never throws: a failure is reported on stderr, and the flush timer
+    // then ends what is owed.
+    void to_error() noexcept;
+    // A request is about to be posted while in_error: asks the device whether the QP is
+    // still in the error state (then the post is bounded like a flush) or was reset since.
+    void posting_while_in_error() noexcept;
+    // Starts the flush timer when requests are owed and it is not running. Where no timer
+    // can run (the io_context is being destroyed) ends them at once (reset()).
+    void watch_flush() noexcept;
+    // Ends every request still owed, without waiting: moves the QP to RESET (after which
+    // the device produces no completion for it), polls its CQs (dispatching what the device
+    // had already delivered), then completes each remaining request with a made-up
+    // IBV_WC_WR_FLUSH_ERR; `never_flushed` marks those (vendor_err) as requests the device
+    // did not flush in time. Not from inside a CQ poll (drain_cq): it polls the CQs itself.
+    void reset(bool never_flushed) noexcept;
+    // ~qp: frees the state now when nothing is owed and no flush timer is in flight, or keeps
+    // it alive until then.
+    static void release(std::shared_ptr<qp_state> self) noexcept;
+    static void flush_timer_fired(operation* op, int res, unsigned flags) noexcept;
+};
+
+// vendor_err of the completions made up by qp_state::reset(true) for requests the device
+// never flushed (a device whose flushes get lost: Linux 6.1's rxe, a CQ overrun).
+inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
+
+
+} // namespace detail
+} // namespace ringverbs

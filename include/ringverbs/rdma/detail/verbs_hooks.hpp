@@ -1,0 +1,29 @@
+// verbs_hooks: the verbs calls of the completion path, made through a table of function
+// pointers so that a test can put a fault injector between the runtime and the real device.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <infiniband/verbs.h>
+
+namespace ringverbs::detail {
+
+// Every entry defaults to the real verb. A test replaces entries with functions that call the
+// saved originals and then hide, delay or fail what the device did (a completion that never
+// comes, a post that fails at the k-th request): faults between us and a real device, never a
+// mock of it. Change the table only while no io_context runs a channel or a qp.
+struct verbs_hooks {
+    int (*poll_cq)(ibv_cq* cq, int n, ibv_wc* wc) noexcept;
+    int (*post_send)(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept;
+    int (*post_recv)(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept;
+    int (*req_notify_cq)(ibv_cq* cq, int solicited_only) noexcept;
+    // 0, or -1 with errno set, like ibv_get_cq_event.
+    int (*get_cq_event)(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) noexcept;
+};
+
+// The table in force (one per process).
+verbs_hooks& hooks() noexcept;
+// The real verbs, to restore the table or to call from a hook.
+const verbs_hooks& real_verbs() noexcept;
+
+} // namespace ringverbs::detail

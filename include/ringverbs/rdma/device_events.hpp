@@ -1,0 +1,129 @@
+// device_events: a device's asynchronous events (QP and CQ errors, port state, device fatal)
+// on an io_context. The context's async_fd is watched by a multishot io_uring poll; each event
+// is read, routed to the ringverbs object it names, acked at once, and handed to co_await next().
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/engine/detail/fd_watch.hpp>
+#include <ringverbs/engine/detail/waiter.hpp>
+#include <ringverbs/engine/error.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/verbs/context.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+
+namespace ringverbs {
+
+// One asynchronous event, copied out before it was acked. The pointers identify the object
+// (compare them with cq::native(), qp::native_qp().native()): it may be gone by the time you
+// look, so do not dereference them.
+struct async_event {
+    ibv_event_type type = IBV_EVENT_DEVICE_FATAL;
+    ibv_cq* cq = nullptr;     // CQ_ERR
+    ibv_qp* qp = nullptr;     // QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR, COMM_EST, SQ_DRAINED,
+                              // PATH_MIG, PATH_MIG_ERR, QP_LAST_WQE_REACHED
+    std::uint32_t qp_num = 0; // of `qp`
+    ibv_srq* srq = nullptr;   // SRQ_ERR, SRQ_LIMIT_REACHED
+    int port = 0;             // PORT_ACTIVE, PORT_ERR, LID/PKEY/GID_CHANGE, SM_CHANGE, ...
+    // The event reached a ringverbs cq or qp of this io_context (see device_events).
+    bool routed = false;
+    const char* name() const noexcept { return ibv_event_type_str(type); }
+};
+
+struct device_events_counters {
+    std::uint64_t wakeups = 0; // times the async fd was reported readable
+    std::uint64_t events = 0;  // events read (each acked at once)
+    std::uint64_t routed = 0;  // of those, handed to a ringverbs cq or qp
+};
+
+// Watches `device`'s async events on `ctx` (the fd is made O_NONBLOCK). One per ibv_context:
+// a second one on the same context throws (EBUSY).
+//
+// Routing, before next() sees the event, for the cqs and qps of this io_context made on this
+// ibv_context (an ibv_context reports only its own objects: give each thread its own context
+// when several threads own CQs and QPs):
+// - IBV_EVENT_CQ_ERR (the CQ overran: completions are lost): the cq's next() waiters resume
+//   with std::system_error(EOVERFLOW) "cq::next: IBV_EVENT_CQ_ERR", and so does every later
+//   next() once the completions polled before are taken;
+//   every qp using that CQ is moved to the error state.
+// - IBV_EVENT_QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR: the qp is moved to the error state (if the
+//   device has not), so its pending awaits resume with their flush completions.
+// - the others only go to next().
+// Every event is acked right after it was copied, so no ibv_destroy_cq/qp ever waits for us.
+//
+// Lifetime: destroy before the io_context, on its thread; pending next() calls resume with
+// operation_canceled.
+class device_events {
+public:
+    // Throws std::system_error naming fcntl (the async fd), io_uring_submit, or
+    // "device_events" with EBUSY when the context is already watched.
+    device_events(io_context& ctx, const verbs::context& device);
+    ~device_events();
+    device_events(const device_events&) = delete;
+    device_events& operator=(const device_events&) = delete;
+
+    // co_await events.next(): the next async event, without suspending when one is queued.
+    // Errors: std::system_error "device_events::next" with timed_out, operation_canceled, or
+    // the errno of a failed watch.
+    auto next(wait_options options = {}) noexcept;
+
+    const device_events_counters& counters() const noexcept { return state_->counters; }
+    // Events read and not yet taken by next().
+    std::size_t queued() const noexcept { return state_->queue.size(); }
+
+private:
+    struct state {
+        io_context* ctx = nullptr;
+        std::shared_ptr<ibv_context> device;
+        detail::fd_watch* watch = nullptr;
+        std::deque<async_event> queue;
+        detail::waiter_queue waiters;
+        device_events_counters counters;
+        int error = 0;
+        bool closed = false;
+
+        void drain() noexcept;
+        void route(async_event& e) noexcept;
+        void fail(int err) noexcept;
+    };
+
+    struct next_awaiter : detail::waiter {
+        state* s;
+        wait_options options;
+        async_event event;
+        bool has = false; // `event` is set (taken from the queue, or handed over by drain())
+        next_awaiter(state* st, wait_options o) noexcept : s(st), options(std::move(o)) {}
+        next_awaiter(const next_awaiter&) = delete;
+        bool await_ready() noexcept {
+            if (!s->queue.empty()) {
+                event = s->queue.front();
+                s->queue.pop_front();
+                has = true;
+            }
+            return has || s->closed || s->error != 0;
+        }
+        void await_suspend(std::coroutine_handle<> h) {
+            s->waiters.push_back(this);
+            start(*s->ctx, options, h, &s->waiters, &detail::waiter_queue::detach);
+        }
+        async_event await_resume() {
+            int err = decided() ? error() : 0;
+            if (!has) throw_system_error(err != 0 ? err : s->closed ? ECANCELED : s->error, "device_events::next");
+            return event;
+        }
+    };
+
+
+    std::unique_ptr<state> state_;
+};
+
+inline auto device_events::next(wait_options options) noexcept {
+    return next_awaiter{state_.get(), std::move(options)};
+}
+
+} // namespace ringverbs

@@ -1,0 +1,312 @@
+// qp: an RC queue pair whose work requests coroutines post and co_await, each resumed by its
+// own request's completion.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/engine/detail/io_awaiter.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
+#include <ringverbs/engine/detail/stop_gate.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/verbs/memory_region.hpp>
+#include <ringverbs/verbs/protection_domain.hpp>
+#include <ringverbs/verbs/queue_pair.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+
+namespace ringverbs {
+
+// Local memory a request reads or writes: a span inside a registered memory region.
+struct local_buffer {
+    void* addr = nullptr;
+    std::uint32_t length = 0;
+    std::uint32_t lkey = 0;
+
+    local_buffer() = default;
+    local_buffer(const verbs::memory_region& mr, std::span<std::byte> s) noexcept
+        : addr(s.data()), length(static_cast<std::uint32_t>(s.size())), lkey(mr.native()->lkey) {}
+    // Data for an inline send: copied at post time, needs no memory region.
+    static local_buffer inline_data(std::span<const std::byte> s) noexcept {
+        local_buffer b;
+        b.addr = const_cast<std::byte*>(s.data());
+        b.length = static_cast<std::uint32_t>(s.size());
+        return b;
+    }
+};
+
+// Remote memory of the peer (its address and rkey, exchanged out of band).
+struct remote_buffer {
+    std::uint64_t addr = 0;
+    std::uint32_t rkey = 0;
+};
+
+struct send_options {
+    std::optional<std::uint32_t> imm = {}; // immediate data (SEND_WITH_IMM / WRITE_WITH_IMM)
+    bool inline_data = false;              // IBV_SEND_INLINE (size <= the QP's max_inline_data)
+    bool solicited = false;                // IBV_SEND_SOLICITED: wakes a solicited_only CQ
+    bool fence = false;                    // IBV_SEND_FENCE
+    // false: selective signaling for one send or write. The request is posted without
+    // IBV_SEND_SIGNALED and its await ends right after ibv_post_send, without waiting for a
+    // completion (none comes unless it fails); it gives a made-up ibv_wc: status
+    // IBV_WC_SUCCESS, the opcode (IBV_WC_SEND or IBV_WC_RDMA_WRITE), qp_num, wr_id 0.
+    // - Buffers: with inline_data the bytes were copied by the post and the buffer is free at
+    //   once. Otherwise the device may still read it: leave it untouched until a LATER
+    //   signaled request on the same qp has completed (any awaited send, write, read or
+    //   atomic posted after it), or until the qp is destroyed.
+    // - Send queue: a slot is freed only by the completion of a later signaled request, so
+    //   the qp posts one in every qp::signal_interval() unsignaled requests signaled all the
+    //   same and consumes its completion itself (qp::pending() counts it, teardown waits for
+    //   it). If two of those are still unconfirmed when the next is due, that request is
+    //   posted signaled and its await waits for its completion like any other (back
+    //   pressure: a loop of unsignaled sends cannot overrun the send queue).
+    // - Errors: a post failure throws as usual. A failure found later (the request's error
+    //   completion) cannot reach the await, which is over: the QP is then in the error state,
+    //   so every later await on it fails with the flush, and qp::counters() /
+    //   qp::unsignaled_failure() tell what happened.
+    // Only for send and write; stop_token and timeout have nothing to cancel once posted.
+    bool signaled = true;
+};
+
+struct qp_options {
+    // The bounded flush. When the QP is in the error state (a timeout or stop of one of its
+    // awaits, qp::to_error(), an async error event, ~qp) and some of its requests are still
+    // owed a completion this long after, the device is taken not to deliver their flushes
+    // (Linux 6.1's rxe loses some; a CQ overrun loses them): the QP is moved to RESET, its
+    // CQs are polled once more, and each remaining await resumes with
+    // std::system_error(errc::io_error) "... never flushed by the device" (or with its own
+    // timed_out / operation_canceled when that is what moved the QP to error). Their buffers
+    // are then free: no completion can come after RESET. Connect the QP again to reuse it.
+    std::chrono::milliseconds flush_timeout = std::chrono::seconds(5);
+    // The QPs on one CQ may together have more requests outstanding than the CQ has entries
+    // (send queue capacity on the send CQ, receive queue capacity on the receive CQ): a QP
+    // error flushes all of them at once and overruns it (IBV_EVENT_CQ_ERR, completions lost).
+    // By default making such a qp throws EINVAL naming both numbers; true allows it.
+    bool allow_cq_overcommit = false;
+};
+
+namespace detail {
+
+// What to post, as the qp's calls describe it; the awaiter builds the verbs request from it.
+struct wr_request {
+    ibv_wr_opcode opcode = IBV_WR_SEND;
+    local_buffer local;
+    unsigned send_flags = 0;
+    std::optional<std::uint32_t> imm;
+    remote_buffer remote;
+    std::uint64_t compare_add = 0;
+    std::uint64_t swap = 0;
+    ibv_send_wr* send_chain = nullptr; // a user's chain instead of one request
+    ibv_recv_wr* recv_chain = nullptr;
+    std::span<ibv_wc> each;
+    bool signaled = true; // send_options::signaled
+};
+
+// The awaiter of one posted request or chain. Lives in the awaiting coroutine's frame; its
+// address is the requests' wr_id (tagged), so a completion resumes exactly this coroutine,
+// with no allocation and no lookup.
+//
+// Invariants:
+// - It is resumed only after the completion of the chain's last request arrived (the QP
+//   processes its queues in order, so that completion is the last one the chain produces) and
+//   its timer, if any, delivered its CQE. No buffer of the request is written after.
+// - A stop request or timeout cannot recall a posted request: it moves the QP to the error
+//   state, which flushes every outstanding request of the QP (IBV_WC_WR_FLUSH_ERR); the
+//   awaiter then resumes on its flush completion with operation_canceled / timed_out.
+class wr_awaiter : wr_op, wait_core {
+public:
+    enum class kind { send, recv };
+
+    wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
+               wait_options options) noexcept;
+    // Made in place (a prvalue) and never moved: the wr_id is its address.
+    wr_awaiter(const wr_awaiter&) = delete;
+    wr_awaiter& operator=(const wr_awaiter&) = delete;
+    // A request posted with post() must be awaited before the awaiter goes; if it is not,
+    // the destructor resets the QP without waiting (no completion can name the awaiter
+    // after that; the QP's other owed requests end with a made-up IBV_WC_WR_FLUSH_ERR) and
+    // says so on stderr. Connect the QP again to reuse it.
+    ~wr_awaiter();
+
+    // Posts the request now instead of at co_await (pre-posting receives, pipelining):
+    //   auto r = q.recv(buf); r.post(); ...; ibv_wc wc = co_await r;
+    // Throws std::system_error naming the verb (ENOMEM: queue full). The timeout and the
+    // stop_token start counting at co_await.
+    void post();
+
+    // May throw: an unsignaled request is posted here (it is done once posted, so the
+    // coroutine does not suspend).
+    bool await_ready() {
+        if (cancelled_early_) return true;
+        if (!posted_) {
+            if (options_.stop.stop_requested() || ctx_->shutting_down()) {
+                cancelled_early_ = true;
+                return true;
+            }
+            if (!signaled_) post();
+        }
+        return posted_ && done_;
+    }
+    void await_suspend(std::coroutine_handle<> h);
+    ibv_wc await_resume();
+
+private:
+    static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
+    // The deadline or the stop while the request is owed: a posted request cannot be
+    // recalled, so the QP goes to the error state and the flush decides the wait.
+    static bool interrupted_by(wait_core* core, int reason) noexcept;
+    void abandon() noexcept;
+    bool post_unsignaled();
+
+    // The qp's state is alive while this request is owed a completion (a destroyed qp keeps
+    // its state until then); once done_, only ctx_ is touched, never qp_.
+    qp_state* qp_;
+    io_context* ctx_;
+    kind kind_;
+    ibv_send_wr send_wr_{};
+    ibv_recv_wr recv_wr_{};
+    ibv_sge sge_{};
+    ibv_send_wr* send_chain_ = nullptr;
+    ibv_recv_wr* recv_chain_ = nullptr;
+    std::span<ibv_wc> each_;
+    const char* name_;
+    wait_options options_;
+    ibv_wc result_{};
+    ibv_wc first_error_{};
+    std::size_t seen_ = 0;
+    bool failed_ = false;          // a completion of the chain failed (first_error_)
+    bool done_ = false;            // the chain's last completion came (result_)
+    bool cancelled_early_ = false; // stopped before it was posted: nothing owed
+    bool abandoned_ = false;       // its awaiter gives up on it (abandon())
+    bool posted_ = false;
+    bool signaled_ = true;
+};
+
+} // namespace detail
+
+// Owns an RC queue pair whose send and receive completions go to two cqs (which may be the
+// same). Connect it with the verbs-level calls on native_qp() (to_init/to_rtr/to_rts) or
+// verbs::connect_loopback, then post and co_await:
+//
+//   ibv_wc wc = co_await q.send(local_buffer(mr, bytes));
+//
+// Every posted request completes exactly once, to the coroutine that posted it (an
+// unsignaled send or write, send_options::signaled = false, completes when posted). A failed
+// completion throws completion_error (its ibv_wc_status and ibv_wc_status_str). After a QP
+// error every pending await resumes with its flush status; none is left hanging.
+//
+// Lifetime: destroying the qp never blocks. With requests still owed, it moves the QP to the
+// error state and its state lives on, served by the io_context, until every pending await got
+// its flush completion (or, after qp_options::flush_timeout, the QP is reset and the rest end
+// as never flushed); then the QP is destroyed. No buffer is written after its awaiter
+// resumed. Destroy before the io_context, on its thread.
+class qp {
+public:
+    // Throws std::system_error naming ibv_create_qp, or EINVAL when the CQs would be
+    // overcommitted (see qp_options::allow_cq_overcommit).
+    qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {},
+       qp_options options = {});
+    // Adopts an RC QP created elsewhere on these CQs (its send_cq and recv_cq are
+    // send_cq.native() and recv_cq.native(), else EINVAL), e.g. by rdma_create_qp:
+    // cm_id::make_qp (<ringverbs/cm/cm_id.hpp>) is the way in for a connection. `adopted`'s
+    // deleter destroys it once nothing is owed.
+    qp(verbs::queue_pair adopted, cq& send_cq, cq& recv_cq, qp_options options = {});
+    ~qp();
+    qp(const qp&) = delete;
+    qp& operator=(const qp&) = delete;
+    // A moved-from qp may only be assigned to or destroyed. Move assignment releases the
+    // target's QP as ~qp does.
+    qp(qp&& other) noexcept = default;
+    qp& operator=(qp&& other) noexcept;
+
+    verbs::queue_pair& native_qp() noexcept { return state_->qp; }
+    std::uint32_t qp_num() const noexcept { return state_->qp.qp_num(); }
+    // Requests posted through this qp whose completion has not arrived (the forced-signaled
+    // ones of unsignaled sends included; unsignaled ones, which are owed none, not).
+    std::size_t pending() const noexcept { return state_->pending_count; }
+    // Unsignaled sends and writes (send_options::signaled = false): one in this many is
+    // posted signaled. A quarter of the send queue's capacity, at most 64, at least 1.
+    std::uint32_t signal_interval() const noexcept { return state_->signal_interval; }
+    const qp_counters& counters() const noexcept { return state_->counters; }
+    // The first error completion (other than a flush) of an unsignaled or forced-signaled
+    // request, if one came: its await had already ended, so this is where it is reported.
+    const std::optional<ibv_wc>& unsignaled_failure() const noexcept {
+        return state_->unsignaled_failure;
+    }
+    // Moves the QP to the error state: every outstanding request completes with
+    // IBV_WC_WR_FLUSH_ERR (bounded by qp_options::flush_timeout). Throws std::system_error
+    // naming ibv_modify_qp.
+    void to_error();
+
+    // SEND (with immediate data, inline, solicited, unsignaled per `o`). Gives the completion
+    // (for an unsignaled send: made up at post, see send_options::signaled).
+    detail::wr_awaiter send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
+    // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags).
+    detail::wr_awaiter recv(local_buffer into, wait_options w = {}) noexcept;
+    // RDMA WRITE of `data` to `to` (with immediate data, unsignaled per `o`).
+    detail::wr_awaiter write(local_buffer data, remote_buffer to, send_options o = {},
+                             wait_options w = {}) noexcept;
+    // RDMA READ of `from` into `into`.
+    detail::wr_awaiter read(local_buffer into, remote_buffer from, wait_options w = {}) noexcept;
+    // Atomic compare-and-swap of the 8 bytes at `at`; the old value lands in `old_value`
+    // (8 bytes, registered).
+    detail::wr_awaiter compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
+                                    std::uint64_t swap, wait_options w = {}) noexcept;
+    // Atomic fetch-and-add on the 8 bytes at `at`; the old value lands in `old_value`.
+    detail::wr_awaiter fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
+                                 wait_options w = {}) noexcept;
+
+    // Posts a chain of send requests in one ibv_post_send and awaits them together: the await
+    // ends with the completion of the last one (which is made signaled); earlier ones may be
+    // unsignaled (selective signaling). Their wr_ids are overwritten. Completions of the chain
+    // are copied to `each` (in order, as many as fit) when given. The first failure throws.
+    detail::wr_awaiter post_send(ibv_send_wr& chain, std::span<ibv_wc> each = {},
+                                 wait_options w = {}) noexcept;
+    // The same for a chain of receives in one ibv_post_recv: ends with the last one's
+    // completion; every receive produces one, copied to `each`.
+    detail::wr_awaiter post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each = {},
+                                 wait_options w = {}) noexcept;
+
+    // co_await q.close(): the graceful, awaited end. With requests owed, moves the QP to the
+    // error state and resumes once every one of them has ended (by its flush, or by the
+    // bounded flush); then destroying the qp leaves nothing behind. Returns at once when
+    // nothing is owed. Throws std::system_error "qp::close" with timed_out or
+    // operation_canceled per `w` (the requests still end later, as after ~qp).
+    auto close(wait_options w = {}) noexcept;
+
+private:
+    struct close_awaiter : detail::waiter {
+        detail::qp_state* s;
+        wait_options options;
+        close_awaiter(detail::qp_state* st, wait_options o) noexcept : s(st), options(std::move(o)) {}
+        close_awaiter(const close_awaiter&) = delete;
+        bool await_ready() noexcept {
+            if (s->pending_count == 0) return true;
+            s->to_error();
+            return s->pending_count == 0;
+        }
+        void await_suspend(std::coroutine_handle<> h) {
+            s->close_waiters.push_back(this);
+            start(*s->ctx, options, h, &s->close_waiters, &detail::waiter_queue::detach);
+        }
+        // Decided or not, *s is not read: the qp may be gone by now.
+        void await_resume() {
+            const int err = decided() ? error() : 0;
+            if (err != 0) throw_system_error(err, "qp::close");
+        }
+    };
+
+    std::shared_ptr<detail::qp_state> state_;
+};
+
+inline auto qp::close(wait_options w) noexcept { return close_awaiter{state_.get(), std::move(w)}; }
+
+} // namespace ringverbs

@@ -1,0 +1,420 @@
+#include <ringverbs/cm/cm_id.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+namespace ringverbs {
+
+namespace {
+
+// rdma_* calls return -1 and set errno; an unset errno must not become "Success".
+void cm_check(int ret, const char* what) {
+    if (ret != 0) [[unlikely]]
+        throw_system_error(errno != 0 ? errno : EIO, what);
+}
+
+// IB CM reject reasons (IBTA 12.6.7.2), which rdma_cm reports in REJECTED's status on IB and
+// RoCE. This librdmacm has no rdma_reject_msg().
+const char* reject_reason_text(int reason) noexcept {
+    switch (reason) {
+    case 1: return "no QP available";
+    case 2: return "no EEC available";
+    case 3: return "no resources";
+    case 4: return "timeout";
+    case 5: return "unsupported request";
+    case 6: return "invalid communication id";
+    case 7: return "invalid communication instance";
+    case 8: return "invalid service id: nothing listens on that port";
+    case 9: return "invalid transport type";
+    case 10: return "stale connection";
+    case 11: return "RDC does not exist";
+    case 12: return "invalid GID";
+    case 13: return "invalid LID";
+    case 14: return "invalid SL";
+    case 15: return "invalid traffic class";
+    case 16: return "invalid hop limit";
+    case 17: return "invalid packet rate";
+    case 24: return "port CM redirect";
+    case 25: return "port redirect";
+    case 26: return "invalid MTU";
+    case 27: return "insufficient responder resources";
+    case 28: return "rejected by the peer application";
+    case 29: return "invalid RNR retry";
+    case 30: return "duplicate local communication id";
+    case 31: return "invalid class version";
+    case 32: return "invalid flow label";
+    case 33: return "invalid alternate flow label";
+    default: return "unknown reason";
+    }
+}
+
+int timeout_ms(const wait_options& o) noexcept {
+    using namespace std::chrono;
+    if (o.timeout == wait_options::no_timeout) return 2000;
+    auto ms = duration_cast<milliseconds>(o.timeout).count();
+    return static_cast<int>(std::clamp<long long>(ms, 1, 600'000));
+}
+
+rdma_conn_param conn_param(std::span<const std::byte> data, const cm_conn_options& c,
+                           const char* call) {
+    if (data.size() > 255)
+        throw_system_error(EINVAL, std::string(call) + " (private data longer than 255 bytes)");
+    rdma_conn_param p{};
+    p.private_data = data.empty() ? nullptr : data.data();
+    p.private_data_len = static_cast<std::uint8_t>(data.size());
+    p.responder_resources = c.responder_resources;
+    p.initiator_depth = c.initiator_depth;
+    p.retry_count = c.retry_count;
+    p.rnr_retry_count = c.rnr_retry_count;
+    return p;
+}
+
+std::vector<std::byte> copy_private_data(const rdma_cm_event& ev) {
+    const auto* p = static_cast<const std::byte*>(ev.param.conn.private_data);
+    if (p == nullptr) return {};
+    return std::vector<std::byte>(p, p + ev.param.conn.private_data_len);
+}
+
+} // namespace
+
+namespace detail {
+
+namespace {
+
+
+} // namespace
+
+cm_channel_state::cm_channel_state(io_context& c) : ctx(&c) {
+    errno = 0;
+    rdma_event_channel* raw = rdma_create_event_channel();
+    if (raw == nullptr) throw_system_error(errno != 0 ? errno : ENODEV, "rdma_create_event_channel");
+    channel = std::shared_ptr<rdma_event_channel>(raw, rdma_destroy_event_channel);
+    const int fl = ::fcntl(raw->fd, F_GETFL);
+    if (fl < 0 || ::fcntl(raw->fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
+        ::fcntl(raw->fd, F_SETFD, FD_CLOEXEC) < 0)
+        throw_system_error(errno, "fcntl(rdma_cm event channel)");
+    watch = fd_watch::start(
+        *ctx, channel->fd, channel, this,
+        [](void* self, unsigned) noexcept {
+            auto* ch = static_cast<cm_channel_state*>(self);
+            if (ch->error == 0) ch->drain();
+        },
+        [](void* self, int err) noexcept { static_cast<cm_channel_state*>(self)->fail(err); });
+}
+
+cm_channel_state::~cm_channel_state() {
+    if (watch) watch->release();
+}
+
+void cm_channel_state::fail(int err) noexcept {
+    error = err;
+    std::fprintf(stderr, "ringverbs: rdma_cm event channel fd %d: %s\n", channel->fd,
+                 std::system_category().message(err).c_str());
+    for (cm_id_state* s : ids) s->fail_all(err);
+}
+
+// Every event is acked right after it was copied: rdma_destroy_id blocks until the events of
+// its id are acked, and an id may be destroyed by the coroutine this event resumes. Nothing
+// here resumes a coroutine inline (waiters are queued on the context), so no id goes away
+// while the loop runs.
+void cm_channel_state::drain() noexcept {
+    for (;;) {
+        rdma_cm_event* ev = nullptr;
+        errno = 0;
+        if (rdma_get_cm_event(channel.get(), &ev) != 0) {
+            const int err = errno;
+            if (err == EAGAIN || err == EWOULDBLOCK) return;
+            if (err == EINTR) continue;
+            fail(err != 0 ? err : EIO);
+            return;
+        }
+        ++events;
+        rdma_cm_id* refuse = nullptr;
+        std::shared_ptr<cm_id_state> hold; // an id made here is only dropped after the ack
+        if (ev->event == RDMA_CM_EVENT_CONNECT_REQUEST) {
+            auto* listener = static_cast<cm_id_state*>(ev->listen_id->context);
+            try {
+                if (listener == nullptr || listener->closed) throw std::bad_alloc();
+                std::vector<std::byte> data = copy_private_data(*ev);
+                hold = std::make_shared<cm_id_state>(listener->channel, ev->id);
+                hold->unanswered = true;
+                hold->request_data = std::move(data);
+                if (waiter* w = listener->accept_waiters.pop_front()) {
+                    static_cast<cm_id::accept_awaiter*>(w)->taken = hold;
+                    w->fulfil(0);
+                } else {
+                    listener->backlog.push_back({hold});
+                }
+            } catch (...) {
+                // Out of memory, or no listener handle: refuse the request (a state that was
+                // made rejects and destroys its id itself, when `hold` goes after the ack).
+                if (!hold) refuse = ev->id;
+            }
+        } else {
+            dispatch(*ev);
+        }
+        rdma_ack_cm_event(ev);
+        hold.reset();
+        if (refuse) {
+            rdma_reject(refuse, nullptr, 0);
+            rdma_destroy_id(refuse);
+        }
+    }
+}
+
+void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
+    auto* s = static_cast<cm_id_state*>(ev.id->context);
+    if (s == nullptr) return;
+    switch (ev.event) {
+    case RDMA_CM_EVENT_ESTABLISHED:
+        s->connected = true;
+        [[fallthrough]];
+    case RDMA_CM_EVENT_ADDR_RESOLVED:
+    case RDMA_CM_EVENT_ADDR_ERROR:
+    case RDMA_CM_EVENT_ROUTE_RESOLVED:
+    case RDMA_CM_EVENT_ROUTE_ERROR:
+    case RDMA_CM_EVENT_CONNECT_RESPONSE:
+    case RDMA_CM_EVENT_CONNECT_ERROR:
+    case RDMA_CM_EVENT_UNREACHABLE:
+    case RDMA_CM_EVENT_REJECTED: {
+        cm_event_data d;
+        d.type = ev.event;
+        d.status = ev.status;
+        try {
+            d.private_data = copy_private_data(ev);
+        } catch (...) {
+            // Out of memory: the outcome still counts, without its private data.
+        }
+        // Nobody waits (the step's wait timed out or was stopped): the outcome goes unheard.
+        if (waiter* w = s->op_waiters.pop_front()) {
+            static_cast<cm_step_waiter*>(w)->result = std::move(d);
+            w->fulfil(0);
+        }
+        break;
+    }
+    case RDMA_CM_EVENT_DISCONNECTED:
+        // The peer's DREQ (or the answer to ours). Unless we disconnected first, answer it:
+        // rdma_disconnect moves our QP to the error state, so every request still posted on
+        // it completes (flushed) and no awaiter of it is left hanging, and sends the DREP.
+        if (!s->disconnect_sent && ev.id->qp != nullptr) {
+            s->disconnect_sent = true;
+            rdma_disconnect(ev.id); // best effort: the connection is gone either way
+        }
+        s->disconnected = true;
+        s->connected = false;
+        while (waiter* w = s->disc_waiters.pop_front()) w->fulfil(0);
+        if (waiter* w = s->op_waiters.pop_front()) {
+            static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
+            w->fulfil(0);
+        }
+        break;
+    case RDMA_CM_EVENT_DEVICE_REMOVAL:
+        s->fail_all(ENODEV);
+        break;
+    default: // TIMEWAIT_EXIT, ADDR_CHANGE, multicast: nothing waits for them
+        break;
+    }
+}
+
+cm_id_state::cm_id_state(std::shared_ptr<cm_channel_state> ch, rdma_cm_id* raw)
+    : channel(std::move(ch)), id(raw) {
+    channel->ids.push_back(this);
+    id->context = this;
+}
+
+cm_id_state::~cm_id_state() {
+    backlog.clear();
+    if (unanswered) rdma_reject(id, nullptr, 0);
+    rdma_destroy_id(id);
+    std::erase(channel->ids, this);
+}
+
+void cm_id_state::fail_all(int err) noexcept {
+    error = err;
+    while (waiter* w = op_waiters.pop_front()) w->fulfil(err);
+    while (waiter* w = accept_waiters.pop_front()) w->fulfil(err);
+    while (waiter* w = disc_waiters.pop_front()) w->fulfil(err);
+}
+
+} // namespace detail
+
+cm_channel::cm_channel(io_context& ctx)
+    : state_(std::make_shared<detail::cm_channel_state>(ctx)) {}
+
+cm_channel::~cm_channel() = default;
+
+connection_rejected::connection_rejected(int reason, std::string reason_text,
+                                         std::vector<std::byte> data)
+    : std::system_error(ECONNREFUSED, std::system_category(),
+                        "rdma_connect: rejected by the peer: reason " + std::to_string(reason) +
+                            " (" + reason_text + ")"),
+      reason_(reason), data_(std::move(data)) {}
+
+cm_id::cm_id(cm_channel& ch) {
+    rdma_cm_id* raw = nullptr;
+    errno = 0;
+    cm_check(rdma_create_id(ch.state_->channel.get(), &raw, nullptr, RDMA_PS_TCP), "rdma_create_id");
+    try {
+        state_ = std::make_shared<detail::cm_id_state>(ch.state_, raw);
+    } catch (...) {
+        rdma_destroy_id(raw);
+        throw;
+    }
+}
+
+cm_id::~cm_id() {
+    if (!state_) return;
+    state_->closed = true;
+    while (detail::waiter* w = state_->op_waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->accept_waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->disc_waiters.pop_front()) w->fulfil(ECANCELED);
+    state_->backlog.clear(); // unanswered requests are rejected
+}
+
+cm_id& cm_id::operator=(cm_id&& other) noexcept {
+    if (this != &other) {
+        cm_id dying(std::move(*this));
+        state_ = std::move(other.state_);
+    }
+    return *this;
+}
+
+verbs::context cm_id::device() const {
+    if (state_->id->verbs == nullptr)
+        throw_system_error(ENODEV, "cm_id::device (the id is not bound to a device yet)");
+    int n = 0;
+    errno = 0;
+    ibv_context** list = rdma_get_devices(&n);
+    if (list == nullptr) throw_system_error(errno != 0 ? errno : ENODEV, "rdma_get_devices");
+    // The list holds librdmacm's reference on its devices; the context shares it (aliasing).
+    std::shared_ptr<ibv_context*> keep(list, rdma_free_devices);
+    return verbs::context(std::shared_ptr<ibv_context>(keep, state_->id->verbs));
+}
+
+void cm_id::listen(const sockaddr* addr, int backlog) {
+    errno = 0;
+    cm_check(rdma_bind_addr(state_->id, const_cast<sockaddr*>(addr)), "rdma_bind_addr");
+    errno = 0;
+    cm_check(rdma_listen(state_->id, backlog), "rdma_listen");
+}
+
+std::uint16_t cm_id::local_port() const noexcept { return ntohs(rdma_get_src_port(state_->id)); }
+
+void cm_id::reject(std::span<const std::byte> data) {
+    if (data.size() > 255) throw_system_error(EINVAL, "rdma_reject (private data > 255 bytes)");
+    errno = 0;
+    cm_check(rdma_reject(state_->id, data.empty() ? nullptr : data.data(),
+                         static_cast<std::uint8_t>(data.size())),
+             "rdma_reject");
+    state_->unanswered = false;
+}
+
+void cm_id::begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
+                  std::span<const std::byte> data, const cm_conn_options& conn,
+                  const wait_options& options) {
+    if (s.closed) throw_system_error(ECANCELED, "cm_id");
+    if (s.error != 0) throw_system_error(s.error, "cm_id");
+    errno = 0;
+    switch (k) {
+    case step::resolve_addr:
+        cm_check(rdma_resolve_addr(s.id, nullptr,
+                                   reinterpret_cast<sockaddr*>(const_cast<sockaddr_storage*>(addr)),
+                                   timeout_ms(options)),
+                 "rdma_resolve_addr");
+        break;
+    case step::resolve_route:
+        cm_check(rdma_resolve_route(s.id, timeout_ms(options)), "rdma_resolve_route");
+        break;
+    case step::connect: {
+        if (s.id->qp == nullptr) throw_system_error(EINVAL, "rdma_connect (the id has no qp)");
+        rdma_conn_param p = conn_param(data, conn, "rdma_connect");
+        cm_check(rdma_connect(s.id, &p), "rdma_connect");
+        break;
+    }
+    case step::accept: {
+        if (s.id->qp == nullptr) throw_system_error(EINVAL, "rdma_accept (the id has no qp)");
+        rdma_conn_param p = conn_param(data, conn, "rdma_accept");
+        cm_check(rdma_accept(s.id, &p), "rdma_accept");
+        s.unanswered = false;
+        break;
+    }
+    }
+}
+
+std::vector<std::byte> cm_id::outcome(step k, int wait_error,
+                                      std::optional<detail::cm_event_data>& result) {
+    static constexpr const char* names[] = {"rdma_resolve_addr", "rdma_resolve_route",
+                                            "rdma_connect", "rdma_accept"};
+    static constexpr rdma_cm_event_type expected[] = {
+        RDMA_CM_EVENT_ADDR_RESOLVED, RDMA_CM_EVENT_ROUTE_RESOLVED, RDMA_CM_EVENT_ESTABLISHED,
+        RDMA_CM_EVENT_ESTABLISHED};
+    const auto i = static_cast<std::size_t>(k);
+    const char* name = names[i];
+    if (wait_error != 0) throw_system_error(wait_error, name);
+    if (!result) throw_system_error(EIO, name); // fulfilled without an outcome: not expected
+    detail::cm_event_data r = std::move(*result);
+    result.reset();
+    if (r.type == expected[i]) return std::move(r.private_data);
+    switch (r.type) {
+    case RDMA_CM_EVENT_REJECTED:
+        throw connection_rejected(r.status, reject_reason_text(r.status), std::move(r.private_data));
+    case RDMA_CM_EVENT_DISCONNECTED:
+        throw_system_error(ECONNRESET, std::string(name) + ": disconnected before established");
+    default: {
+        const int err = r.status < 0 ? -r.status : EPROTO;
+        throw_system_error(err, std::string(name) + ": " + rdma_event_str(r.type));
+    }
+    }
+}
+
+void cm_id::start_disconnect(detail::cm_id_state& s) {
+    errno = 0;
+    s.disconnect_sent = true;
+    if (rdma_disconnect(s.id) != 0) {
+        const int err = errno != 0 ? errno : EIO;
+        // EINVAL on an id that never got connected: there is nothing to wait for.
+        if (err != EINVAL || s.connected) throw_system_error(err, "rdma_disconnect");
+        s.disconnected = true;
+    }
+}
+
+verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
+                                   const verbs::completion_queue& send_cq,
+                                   const verbs::completion_queue& recv_cq,
+                                   const verbs::qp_caps& caps) {
+    ibv_qp_init_attr init{};
+    init.send_cq = send_cq.native();
+    init.recv_cq = recv_cq.native();
+    init.qp_type = IBV_QPT_RC;
+    init.cap.max_send_wr = caps.max_send_wr;
+    init.cap.max_recv_wr = caps.max_recv_wr;
+    init.cap.max_send_sge = caps.max_send_sge;
+    init.cap.max_recv_sge = caps.max_recv_sge;
+    init.cap.max_inline_data = caps.max_inline_data;
+    errno = 0;
+    cm_check(rdma_create_qp(state_->id, pd.native(), &init),
+             "rdma_create_qp (the PD must come from the id's device())");
+    // The deleter keeps the id (rdma_destroy_qp before rdma_destroy_id), the PD and the CQs.
+    std::shared_ptr<ibv_qp> owned(state_->id->qp,
+                                  [s = state_, pd_keep = pd.handle(), scq = send_cq.handle(),
+                                   rcq = recv_cq.handle()](ibv_qp*) { rdma_destroy_qp(s->id); });
+    return verbs::queue_pair(std::move(owned),
+                             verbs::qp_caps{init.cap.max_send_wr, init.cap.max_recv_wr,
+                                            init.cap.max_send_sge, init.cap.max_recv_sge,
+                                            init.cap.max_inline_data});
+}
+
+qp cm_id::make_qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
+                  const verbs::qp_caps& caps, qp_options options) {
+    return qp(create_qp(pd, send_cq.native_cq(), recv_cq.native_cq(), caps), send_cq, recv_cq,
+              options);
+}
+
+} // namespace ringverbs

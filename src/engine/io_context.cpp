@@ -1,0 +1,431 @@
+#include <ringverbs/engine/io_context.hpp>
+
+#include <ringverbs/engine/detail/uring_hooks.hpp>
+
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+
+namespace ringverbs {
+
+namespace {
+
+// The io_context whose run_once() is on this thread's stack: push_remote() from inside it
+// needs no eventfd write, the loop looks at the queue before it sleeps.
+// initial-exec: read at a fixed offset from the thread pointer instead of through
+// __tls_get_addr (the default model in a shared library), twice per loop turn. A program
+// linked with the library has it in its static TLS block; one that dlopen()s it gets these 8
+// bytes from glibc's reserve of static TLS, which exists for such variables.
+[[gnu::tls_model("initial-exec")]] thread_local io_context* running_context = nullptr;
+
+std::string io_uring_unavailable_reason(int err) {
+    std::string why = "io_uring_queue_init_params";
+    if (err == ENOSYS) return why + ": io_uring is not available in this kernel (ENOSYS)";
+    if (err == EPERM) {
+        std::ifstream f("/proc/sys/kernel/io_uring_disabled");
+        int disabled = 0;
+        if (f >> disabled && disabled != 0)
+            return why + ": io_uring is disabled by the sysctl kernel.io_uring_disabled=" +
+                   std::to_string(disabled) + " (EPERM)";
+        return why + ": io_uring is not permitted for this process (EPERM: "
+                     "kernel.io_uring_disabled, a seccomp filter or a container policy)";
+    }
+    return why;
+}
+
+} // namespace
+
+io_context::io_context(io_context_options options) {
+    // Most wanted first. DEFER_TASKRUN (6.1) needs SINGLE_ISSUER (6.0); COOP_TASKRUN (5.19)
+    // and SUBMIT_ALL (5.18) are older. A kernel that does not know a flag says EINVAL.
+    const unsigned base = IORING_SETUP_CQSIZE | IORING_SETUP_SUBMIT_ALL;
+    // A SINGLE_ISSUER ring belongs to the task that enables it: start it disabled so that it
+    // belongs to the thread that first runs the context, not the one that built it.
+    const unsigned attempts[] = {
+        IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_R_DISABLED,
+        IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_R_DISABLED,
+        IORING_SETUP_COOP_TASKRUN,
+        0,
+    };
+    int err = EINVAL;
+    for (unsigned extra : attempts) {
+        if (!options.single_issuer && (extra & IORING_SETUP_SINGLE_ISSUER)) continue;
+        for (unsigned b : {base, unsigned{IORING_SETUP_CQSIZE}}) {
+            io_uring_params p{};
+            p.flags = b | extra;
+            p.cq_entries = options.cq_entries;
+            int r = io_uring_queue_init_params(options.sq_entries, &ring_, &p);
+            if (r == 0) {
+                setup_flags_ = p.flags & ~unsigned{IORING_SETUP_R_DISABLED};
+                ring_disabled_ = (p.flags & IORING_SETUP_R_DISABLED) != 0;
+                err = 0;
+                break;
+            }
+            err = -r;
+            if (err != EINVAL) break;
+        }
+        if (err != EINVAL) break;
+    }
+    if (err != 0) throw_system_error(err, io_uring_unavailable_reason(err));
+
+    wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wake_fd_ < 0) {
+        int e = errno;
+        io_uring_queue_exit(&ring_);
+        throw_system_error(e, "eventfd (io_context wakeup)");
+    }
+    ready_.reserve(64);
+    resuming_.reserve(64);
+    wakeup_.ctx = this;
+
+    wakeup_.on_cqe = [](detail::operation* op, int, unsigned) noexcept {
+        auto* w = static_cast<wakeup_op*>(op);
+        w->armed = false;
+        if (w->ctx->shutting_down_) return;
+        // In the CQE loop, where nothing may throw: a ring that has no SQE to give right now
+        // (submission failing under pressure) gets the read re-armed on the next turn.
+        try {
+            w->ctx->arm_wakeup();
+        } catch (...) {
+            w->ctx->wakeup_rearm_due_ = true;
+        }
+    };
+    arm_wakeup();
+}
+
+// Cross-thread wakeup: an eventfd on which the ring keeps a read pending, so one write from
+// another thread completes the read and wakes the ring, and the read itself resets the
+// counter (no extra syscall on our side). The alternative, IORING_OP_MSG_RING from the
+// sender's ring, needs a ring on the sending thread; tests/bench/post_bench.cpp measures both
+// side by side: on kernel 6.18 with 2 cores, eventfd 2.6-3.2 us per round trip, msg_ring
+// 2.8-3.3 us, so the eventfd, which also serves threads without a ring, is kept.
+void io_context::arm_wakeup() {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_read(sqe, wake_fd_, &wakeup_.value, sizeof wakeup_.value, 0);
+    io_uring_sqe_set_data(sqe, static_cast<detail::operation*>(&wakeup_));
+    wakeup_.armed = true;
+}
+
+void io_context::arm_wakeup_retry() {
+    wakeup_rearm_due_ = false;
+    if (wakeup_.armed || shutting_down_) return;
+    try {
+        arm_wakeup();
+    } catch (...) {
+        wakeup_rearm_due_ = true; // next turn again; meanwhile cross-thread posts wait
+        throw;
+    }
+}
+
+io_context::~io_context() {
+    shutting_down_ = true;
+    // One cancel request matches every request in flight, the wakeup read included.
+    // Awaitables refuse new operations from here on, so none escapes it.
+    {
+        io_uring_sqe* sqe = get_sqe();
+        io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY);
+        io_uring_sqe_set_data64(sqe, detail::ignored_user_data);
+    }
+    io_context* outer = std::exchange(running_context, this);
+    for (;;) {
+        drain_remote();
+        if (ready_.empty() && in_flight_ == 0 && background_ == 0 && !wakeup_.armed &&
+            remote_head_.load(std::memory_order_acquire) == nullptr)
+            break;
+        try {
+            submit_and_reap(ready_.empty(), false);
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "ringverbs: ~io_context: %s\n", e.what());
+            break;
+        }
+        resume_ready();
+    }
+    running_context = outer;
+    // What is still suspended waits for something that will never come (a when_all sibling,
+    // a source that is gone): no kernel request refers to it any more, so it can go.
+    while (spawned_) std::coroutine_handle<detail::spawned_promise>::from_promise(*spawned_).destroy();
+    for (auto& e : reported_) {
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            std::fprintf(stderr, "ringverbs: exception from a spawned task lost at io_context "
+                                 "destruction: %s\n", ex.what());
+        } catch (...) {
+            std::fprintf(stderr, "ringverbs: exception from a spawned task lost at io_context "
+                                 "destruction\n");
+        }
+    }
+    while (posters_.load() != 0) std::this_thread::yield();
+    ::close(wake_fd_);
+    io_uring_queue_exit(&ring_);
+}
+
+io_uring_sqe* io_context::get_sqe(unsigned reserve) {
+    for (int attempt = 0;; ++attempt) {
+        if (io_uring_sq_space_left(&ring_) >= reserve) return io_uring_get_sqe(&ring_);
+        if (attempt == 0) ++counters_.sq_full;
+        enable_ring();
+        int r = detail::io_uring_hooks().submit(&ring_);
+        if (r >= 0 || r == -EINTR) continue;
+        if ((r == -EBUSY || r == -EAGAIN) && !reaping_ && attempt < 1000) {
+            reap(); // make room in the completion ring, then try again
+            continue;
+        }
+        throw_system_error(-r, "io_uring_submit");
+    }
+}
+
+void io_context::cancel(detail::operation* op) {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_cancel64(sqe, reinterpret_cast<std::uint64_t>(op), 0);
+    io_uring_sqe_set_data64(sqe, detail::ignored_user_data);
+}
+
+// Another thread's push can be consumed, and the context destroyed, before that thread's
+// wake() has written the eventfd: posters_ counts the threads between the two, and the
+// destructor waits for them before it closes the eventfd.
+void io_context::push_remote(detail::remote_node* node) noexcept {
+    posters_.fetch_add(1);
+    detail::remote_node* head = remote_head_.load(std::memory_order_relaxed);
+    do {
+        node->next = head;
+    } while (!remote_head_.compare_exchange_weak(head, node, std::memory_order_release,
+                                                 std::memory_order_relaxed));
+    // Only the push onto an empty queue needs to wake the loop: a non-empty queue means a
+    // wake is already on its way, or the loop has not drained it yet.
+    if (head == nullptr && running_context != this) wake();
+    posters_.fetch_sub(1);
+}
+
+void io_context::wake() noexcept {
+    std::uint64_t one = 1;
+    // EAGAIN means the counter is saturated: a wake is pending anyway.
+    [[maybe_unused]] ssize_t r = ::write(wake_fd_, &one, sizeof one);
+}
+
+void io_context::stop() noexcept {
+    posters_.fetch_add(1);
+    stop_requested_.store(true, std::memory_order_relaxed);
+    if (running_context != this) wake();
+    posters_.fetch_sub(1);
+}
+
+void io_context::work_guard::reset() noexcept {
+    if (!ctx_) return;
+    io_context* c = std::exchange(ctx_, nullptr);
+    c->posters_.fetch_add(1);
+    if (c->external_work_.fetch_sub(1, std::memory_order_acq_rel) == 1 && running_context != c)
+        c->wake();
+    c->posters_.fetch_sub(1);
+}
+
+void io_context::post(std::function<void()> fn) {
+    struct node : detail::remote_node {
+        std::function<void()> fn;
+    };
+    auto* n = new node;
+    n->fn = std::move(fn);
+    n->run = [](detail::remote_node* self) noexcept {
+        auto* me = static_cast<node*>(self);
+        try {
+            me->fn();
+        } catch (...) {
+            // Reported like an exception from a spawned task.
+            running_context->report(std::current_exception());
+        }
+        delete me;
+    };
+    push_remote(n);
+}
+
+void io_context::drain_remote() {
+    if (remote_head_.load(std::memory_order_relaxed) == nullptr) return;
+    detail::remote_node* list = remote_head_.exchange(nullptr, std::memory_order_acquire);
+    // The queue is a stack: reverse it so nodes run in the order they were pushed.
+    detail::remote_node* fifo = nullptr;
+    while (list) {
+        detail::remote_node* next = list->next;
+        list->next = fifo;
+        fifo = list;
+        list = next;
+    }
+    while (fifo) {
+        detail::remote_node* next = fifo->next; // run() may end the node's life
+        fifo->run(fifo);
+        fifo = next;
+    }
+}
+
+void io_context::reap() {
+    reaping_ = true;
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_cqe* cqe;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+        ++seen;
+        if (cqe->user_data == detail::ignored_user_data) continue;
+        auto* op = reinterpret_cast<detail::operation*>(cqe->user_data);
+        op->on_cqe(op, cqe->res, cqe->flags);
+    }
+    io_uring_cq_advance(&ring_, seen);
+    reaping_ = false;
+}
+
+void io_context::enable_ring() {
+    if (!ring_disabled_) return;
+    // liburing 2.3 declares io_uring_enable_rings() but does not export it.
+    if (::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0) < 0)
+        throw_system_error(errno, "io_uring_register(IORING_REGISTER_ENABLE_RINGS)");
+    ring_disabled_ = false;
+}
+
+void io_context::submit_and_reap(bool wait, bool spinning) {
+    enable_ring();
+    int r;
+    const bool defer = (setup_flags_ & IORING_SETUP_DEFER_TASKRUN) != 0;
+    const bool coop = (setup_flags_ & IORING_SETUP_COOP_TASKRUN) != 0;
+    if (wakeup_rearm_due_) arm_wakeup_retry();
+    if (wait && io_uring_cq_ready(&ring_) == 0)
+        r = io_uring_submit_and_wait(&ring_, 1);
+    else if (io_uring_cq_has_overflow(&ring_)) {
+        // CQEs the kernel could not post (the CQ ring was full) wait in its overflow list
+        // until someone enters with GETEVENTS: the shortcuts below would strand them (a
+        // timer, an rdma_cm event) for as long as the loop spins.
+        ++counters_.cq_overflows;
+        r = io_uring_submit_and_get_events(&ring_);
+    } else if (io_uring_sq_ready(&ring_) > 0)
+        r = defer ? io_uring_submit_and_get_events(&ring_) : io_uring_submit(&ring_);
+    else if (!defer && !coop)
+        r = 0; // completions are posted without us (task work runs by signal): read below
+    else if (spinning && (in_flight_ + background_ == 0 || (++spin_turns_ & 15u) != 0))
+        // A busy-polling channel turns the loop as fast as it can; entering the kernel each
+        // turn only to collect io_uring completions (DEFER_TASKRUN posts them only then;
+        // COOP_TASKRUN runs their task work only when we enter) would put a syscall between
+        // every two polls of the CQ. Every 16th turn is enough, and none when no request is
+        // in the kernel. The same holds for a turn that starts with coroutines ready (made
+        // ready by the previous turn's coroutines: a receiver handing a message to a
+        // sender): they run now, and the ring is looked at again within 16 such turns.
+        r = 0;
+    else
+        r = io_uring_get_events(&ring_); // GETEVENTS: runs task work, posts completions
+    if (r < 0 && r != -EINTR && r != -EBUSY && r != -EAGAIN && r != -ETIME)
+        throw_system_error(-r, "io_uring_enter");
+    reap();
+}
+
+std::size_t io_context::resume_ready() {
+    // Resume only what was ready at the start: a coroutine that makes another ready (or
+    // itself, by yielding) lets this turn end and the ring be looked at again.
+    resuming_.swap(ready_);
+    std::size_t n = resuming_.size();
+    for (std::size_t i = 0; i < n; ++i) resuming_[i].resume();
+    resuming_.clear();
+    return n;
+}
+
+void io_context::queue_poller(detail::poller* p) noexcept {
+    if (p->queued) return;
+    p->queued = true;
+    detail::poller** at = &pollers_;
+    while (*at && (*at)->priority >= p->priority) at = &(*at)->next;
+    p->next = *at;
+    *at = p;
+}
+
+void io_context::dequeue_poller(detail::poller* p) noexcept {
+    if (!p->queued) return;
+    for (detail::poller** at = &pollers_; *at; at = &(*at)->next) {
+        if (*at == p) {
+            *at = p->next;
+            break;
+        }
+    }
+    p->queued = false;
+    p->next = nullptr;
+}
+
+void io_context::run_pollers() {
+    // Take this turn's list: pollers queued while it runs go to the next turn.
+    detail::poller* list = std::exchange(pollers_, nullptr);
+    while (list) {
+        detail::poller* p = list;
+        list = p->next;
+        p->next = nullptr;
+        p->queued = false;
+        p->run(p);
+    }
+}
+
+bool io_context::out_of_work() const noexcept {
+    return in_flight_ == 0 && waiting_ == 0 &&
+           external_work_.load(std::memory_order_acquire) == 0;
+}
+
+std::size_t io_context::run_once(bool block) {
+    io_context* outer = std::exchange(running_context, this);
+    struct restore {
+        io_context* outer;
+        ~restore() { running_context = outer; }
+    } restore_on_exit{outer};
+
+    drain_remote();
+    const bool spinning = pollers_ != nullptr;
+    bool wait = block && ready_.empty() && !spinning && !stopped() &&
+                remote_head_.load(std::memory_order_relaxed) == nullptr;
+    submit_and_reap(wait, spinning || !ready_.empty());
+    drain_remote();
+    run_pollers();
+    std::size_t n = resume_ready();
+    rethrow_reported();
+    return n;
+}
+
+void io_context::run() {
+    while (!stopped()) {
+        if (ready_.empty() && out_of_work() &&
+            remote_head_.load(std::memory_order_acquire) == nullptr)
+            return;
+        run_once(true);
+    }
+}
+
+void io_context::spawn(task<void> t) {
+    auto c = detail::run_spawned(*this, std::move(t));
+    ready(c.handle);
+}
+
+void io_context::set_exception_handler(std::function<void(std::exception_ptr)> handler) {
+    exception_handler_ = std::move(handler);
+}
+
+void io_context::report(std::exception_ptr e) {
+    if (exception_handler_ && !shutting_down_) {
+        exception_handler_(std::move(e));
+        return;
+    }
+    reported_.push_back(std::move(e));
+}
+
+void io_context::rethrow_reported() {
+    if (reported_.empty() || shutting_down_) return;
+    std::exception_ptr e = reported_.front();
+    reported_.erase(reported_.begin());
+    std::rethrow_exception(e);
+}
+
+namespace detail {
+
+uring_hooks& io_uring_hooks() noexcept {
+    static uring_hooks table{[](io_uring* ring) noexcept { return io_uring_submit(ring); }};
+    return table;
+}
+
+} // namespace detail
+
+} // namespace ringverbs

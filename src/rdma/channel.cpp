@@ -1,0 +1,215 @@
+#include <ringverbs/rdma/channel.hpp>
+
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace ringverbs {
+
+namespace detail {
+
+
+channel_state::channel_state(io_context& c, const verbs::context& dev, channel_options_data o)
+    : ctx(&c), channel(dev), device(dev.handle()), options(o), spin_window(o.hybrid_spin) {
+    service.owner = this;
+    service.priority = options.priority;
+    service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
+    if (options.mode == polling_mode::busy) {
+        spinning = true; // never armed: no fd to watch
+        ctx->queue_poller(&service);
+        return;
+    }
+    watch = fd_watch::start(
+        *ctx, channel.fd(), channel.handle(), this,
+        [](void* self, unsigned) noexcept {
+            auto* ch = static_cast<channel_state*>(self);
+            if (ch->error != 0) return;
+            ++ch->counters.wakeups;
+            ch->fd_ready = true;
+            ch->ctx->queue_poller(&ch->service);
+        },
+        [](void* self, int err) noexcept { static_cast<channel_state*>(self)->fail(err); });
+}
+
+channel_state::~channel_state() {
+    ctx->dequeue_poller(&service);
+    if (watch) watch->release();
+}
+
+void channel_state::fail(int err) noexcept {
+    error = err;
+    std::fprintf(stderr, "ringverbs: completion channel fd %d: poll failed: %s\n", channel.fd(),
+                 std::system_category().message(err).c_str());
+    for (cq_state* c : cqs) c->fail_waiters(err);
+}
+
+// Polls `c` until it is empty, dispatching every completion. Returns how many.
+std::size_t channel_state::drain_cq(cq_state& c) noexcept {
+    ibv_wc wcs[64];
+    const std::size_t batch = std::min<std::size_t>(options.poll_batch, 64);
+    std::size_t total = 0;
+    for (;;) {
+        const int got = hooks().poll_cq(c.cq.native(), static_cast<int>(batch), wcs);
+        if (got < 0) [[unlikely]] {
+            std::fprintf(stderr, "ringverbs: ibv_poll_cq failed (the provider returned %d)\n", got);
+            c.fail_waiters(EIO);
+            break;
+        }
+        const auto n = static_cast<std::size_t>(got);
+        ++counters.polls;
+        ++c.counters.polls;
+        if (n == 0) {
+            ++counters.empty_polls;
+            ++c.counters.empty_polls;
+            break;
+        }
+        counters.completions += n;
+        c.counters.completions += n;
+        total += n;
+        for (std::size_t i = 0; i < n; ++i) c.dispatch(wcs[i]);
+        if (n < batch) break; // the CQ was empty when polled: nothing is stranded (armed first)
+    }
+    c.filling = nullptr;
+    return total;
+}
+
+// One service pass, in the io_context's poller phase (after the CQEs of this turn, before
+// coroutines resume). The order per CQ is the one that strands nothing: take the event, count
+// it for the batched ack, re-arm, then poll until empty: a completion that lands between the
+// last poll and the arm raises a new event, one that lands before is found by the poll.
+void channel_state::run_service() noexcept {
+    std::size_t found = 0;
+    if (fd_ready) {
+        fd_ready = false;
+        fired.clear();
+        // Read until EAGAIN, or until every armed CQ has had its one event: then nothing can
+        // be pending, and the read that would say EAGAIN is saved. At least one read per
+        // wakeup, whatever the count says: the fd is readable, and an event left unread
+        // would make the level-triggered poll fire on every turn.
+        bool read_again = false;
+        for (bool first = true; first || armed_cqs > 0; first = false) {
+            std::optional<verbs::cq_event> ev;
+            try {
+                ev = channel.get_event();
+            } catch (const std::system_error& e) {
+                if (e.code().value() != EINTR) {
+                    fail(e.code().value());
+                    return;
+                }
+                // Interrupted: the event is still there, and the multishot poll reports the
+                // fd only on a new wakeup. Read again on the next turn.
+                read_again = true;
+                break;
+            }
+            if (!ev) break;
+            ++counters.events;
+            auto* c = static_cast<cq_state*>(ev->user_context);
+            ++c->counters.events;
+            c->set_armed(false);
+            if (std::find(fired.begin(), fired.end(), c) == fired.end()) fired.push_back(c);
+        }
+        for (cq_state* c : fired) {
+            if (c->cq.unacked_events() >= options.ack_batch) {
+                std::uint32_t n = c->cq.unacked_events();
+                c->cq.ack_events(n);
+                ++counters.acks;
+                ++c->counters.acks;
+                c->counters.acked_events += n;
+            }
+            if (!spinning) {
+                c->arm();
+                ++counters.arms;
+            }
+            found += drain_cq(*c);
+        }
+        if (read_again) {
+            fd_ready = true;
+            ctx->queue_poller(&service);
+        }
+    }
+    if (rearm_due && !spinning) found += rearm_unarmed();
+    if (!spinning) {
+        if (found > 0 && options.mode == polling_mode::hybrid) {
+            spinning = true;
+            auto now = std::chrono::steady_clock::now();
+            adapt_spin(now - last_completion);
+            last_completion = now;
+            ctx->queue_poller(&service);
+        }
+        return;
+    }
+    // busy, or hybrid inside its spin window: poll everything, arm nothing.
+    for (cq_state* c : cqs) found += drain_cq(*c);
+    if (options.mode == polling_mode::busy) {
+        ctx->queue_poller(&service);
+        return;
+    }
+    // Reading the clock can be a system call (a VM whose clocksource is the HPET): read it
+    // when completions arrive and on every 32nd empty turn only.
+    if (found == 0 && (++spin_turns & 31u) != 0) {
+        ctx->queue_poller(&service);
+        return;
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (found > 0) last_completion = now;
+    if (now - last_completion < spin_window) {
+        ctx->queue_poller(&service);
+        return;
+    }
+    // The spin window is over: arm every CQ, then poll once more so that a completion that
+    // arrived before its arm is not left waiting for an event that will never come.
+    spinning = false;
+    std::size_t late = 0;
+    for (cq_state* c : cqs) {
+        if (!c->armed) {
+            c->arm();
+            ++counters.arms;
+        }
+        late += drain_cq(*c);
+    }
+    if (late > 0) {
+        spinning = true;
+        last_completion = now;
+        ctx->queue_poller(&service);
+    }
+}
+
+// A CQ whose arming failed for a while (cq_state::arm) is armed again here, on a later turn,
+// and polled after, as any arm must be. Returns the completions found.
+std::size_t channel_state::rearm_unarmed() noexcept {
+    rearm_due = false;
+    std::size_t found = 0;
+    for (cq_state* c : cqs) {
+        if (c->armed || c->error != 0) continue;
+        c->arm();
+        ++counters.arms;
+        found += drain_cq(*c);
+    }
+    return found;
+}
+
+// hybrid, woken by completions after a sleep: `gap` is the time since the completion before.
+// A gap within hybrid_spin_max means the window closed just before the answer came: widen it
+// to cover twice that gap. A longer gap is idleness: back to the configured window.
+void channel_state::adapt_spin(std::chrono::nanoseconds gap) noexcept {
+    if (options.hybrid_spin_max <= options.hybrid_spin) return;
+    spin_window = gap <= options.hybrid_spin_max
+                      ? std::clamp(2 * gap, options.hybrid_spin, options.hybrid_spin_max)
+                      : options.hybrid_spin;
+}
+
+} // namespace detail
+
+channel::channel(io_context& ctx, const verbs::context& device, channel_options o)
+    : state_(std::make_shared<detail::channel_state>(
+          ctx, device,
+          detail::channel_options_data{o.priority, o.mode, o.hybrid_spin, o.ack_batch,
+                                       o.poll_batch == 0 ? 1u : o.poll_batch,
+                                       o.hybrid_spin_max})) {}
+
+channel::~channel() = default;
+
+} // namespace ringverbs

@@ -1,0 +1,159 @@
+#include <ringverbs/rdma/cq.hpp>
+
+#include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace ringverbs {
+
+namespace detail {
+
+cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited)
+    : channel(std::move(ch)),
+      cq(channel->device, entries, &channel->channel, comp_vector, this),
+      solicited_only(solicited) {
+    unsignaled.owner = this;
+    unsignaled.on_wc = [](wr_op* op, const ibv_wc& wc, bool) noexcept {
+        if (wc.status == IBV_WC_SUCCESS) return; // a QP made with sq_sig_all
+        cq_state* self = static_cast<unsignaled_sink*>(op)->owner;
+        for (qp_state* q : self->qps) {
+            if (q->qp.qp_num() == wc.qp_num) {
+                q->note_unsignaled(wc);
+                return;
+            }
+        }
+        // The qp is gone (a flush after its teardown found nothing owed): nothing to tell.
+    };
+    buffer.resize(static_cast<std::size_t>(cq.capacity()) + 1);
+    channel->cqs.push_back(this);
+    channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass
+    if (channel->options.mode != polling_mode::busy && !channel->spinning) {
+        try {
+            cq.req_notify(solicited_only);
+            set_armed(true);
+            ++counters.arms;
+            ++channel->counters.arms;
+        } catch (...) {
+            std::erase(channel->cqs, this);
+            throw;
+        }
+    }
+    try {
+        register_object(cq.native(), this); // for device_events' routing
+    } catch (...) {
+        set_armed(false);
+        std::erase(channel->cqs, this);
+        throw;
+    }
+}
+
+cq_state::~cq_state() {
+    unregister_object(cq.native());
+    set_armed(false);
+    std::erase(channel->cqs, this);
+    std::erase(channel->fired, this);
+    // The verbs completion_queue acks every event still unacked before ibv_destroy_cq.
+    counters.acked_events += cq.unacked_events();
+}
+
+void cq_state::arm() noexcept {
+    const int rc = hooks().req_notify_cq(cq.native(), solicited_only ? 1 : 0);
+    if (rc == 0) [[likely]] {
+        set_armed(true);
+        ++counters.arms;
+        return;
+    }
+    const int err = verbs::verb_errno(rc);
+    if (err == EAGAIN || err == EINTR || err == ENOMEM || err == EBUSY) {
+        // For a while only: unarmed, the CQ would raise no event. Its channel arms it again
+        // (and polls it) on the next turn.
+        ++channel->counters.arm_retries;
+        channel->rearm_due = true;
+        channel->ctx->queue_poller(&channel->service);
+        return;
+    }
+    const std::system_error e = make_system_error(err, "ibv_req_notify_cq");
+    std::fprintf(stderr, "ringverbs: %s\n", e.what());
+    fail_waiters(e.code().value());
+}
+
+void cq_state::set_armed(bool on) noexcept {
+    if (on == armed) return;
+    armed = on;
+    if (on) ++channel->armed_cqs;
+    else --channel->armed_cqs;
+}
+
+void cq_state::dispatch(const ibv_wc& wc) noexcept {
+    if (wc.wr_id & wr_tag_ours) {
+        auto* op = reinterpret_cast<wr_op*>(wc.wr_id & ~(wr_tag_ours | wr_tag_last));
+        op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);
+        return;
+    }
+    deliver(wc);
+}
+
+void cq_state::deliver(const ibv_wc& wc) noexcept {
+    if (closed) return; // nobody can consume it any more
+    if (filling) {
+        auto* b = static_cast<cq::batch_awaiter*>(filling);
+        b->out[b->n++] = wc;
+        if (b->n == b->capacity) filling = nullptr;
+        return;
+    }
+    if (waiter* w = waiters.pop_front()) {
+        auto* b = static_cast<cq::batch_awaiter*>(w);
+        b->out[b->n++] = wc;
+        w->fulfil(0);
+        if (b->n < b->capacity) filling = w;
+        return;
+    }
+    if (count == buffer.size()) {
+        // Consumers fell behind by more than the CQ holds: grow (the only allocation here).
+        std::vector<ibv_wc> bigger(buffer.size() * 2);
+        for (std::size_t i = 0; i < count; ++i) bigger[i] = buffer[(head + i) % buffer.size()];
+        buffer = std::move(bigger);
+        head = 0;
+    }
+    buffer[(head + count) % buffer.size()] = wc;
+    ++count;
+}
+
+bool cq_state::pop(ibv_wc& out) noexcept {
+    if (count == 0) return false;
+    out = buffer[head];
+    head = (head + 1) % buffer.size();
+    --count;
+    return true;
+}
+
+void cq_state::fail_waiters(int err) noexcept {
+    while (waiter* w = waiters.pop_front()) w->fulfil(err);
+}
+
+} // namespace detail
+
+cq::cq(channel& ch, cq_options o) {
+    detail::channel_state& c = *ch.state_;
+    int vector = o.comp_vector;
+    if (vector < 0) {
+        const int n = std::max(1, c.device.num_comp_vectors());
+        vector = c.next_vector++ % n;
+    }
+    state_ = std::make_shared<detail::cq_state>(ch.state_, o.entries, vector, o.solicited_only);
+}
+
+cq::~cq() {
+    if (!state_) return;
+    state_->closed = true;
+    state_->fail_waiters(ECANCELED);
+    state_->count = 0;
+}
+
+void cq::detach(void* source, detail::waiter* w) noexcept {
+    static_cast<detail::cq_state*>(source)->waiters.remove(w);
+}
+
+} // namespace ringverbs

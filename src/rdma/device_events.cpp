@@ -1,0 +1,154 @@
+#include <ringverbs/rdma/device_events.hpp>
+
+#include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <mutex>
+#include <vector>
+
+namespace ringverbs {
+
+namespace {
+
+// The contexts watched by a device_events: two readers of one async fd would steal each
+// other's events.
+std::mutex watched_lock;
+std::vector<ibv_context*> watched;
+
+} // namespace
+
+device_events::device_events(io_context& ctx, const verbs::context& device)
+    : state_(std::make_unique<state>()) {
+    state_->ctx = &ctx;
+    state_->device = device.handle();
+    ibv_context* dev = device.native();
+    {
+        std::lock_guard g(watched_lock);
+        if (std::find(watched.begin(), watched.end(), dev) != watched.end())
+            throw_system_error(EBUSY, "device_events (this ibv_context's async events are already watched)");
+        watched.push_back(dev);
+    }
+    try {
+        const int fl = ::fcntl(dev->async_fd, F_GETFL);
+        if (fl < 0 || ::fcntl(dev->async_fd, F_SETFL, fl | O_NONBLOCK) < 0)
+            throw_system_error(errno, "fcntl(async_fd, O_NONBLOCK)");
+        state_->watch = detail::fd_watch::start(
+            ctx, dev->async_fd, state_->device, state_.get(),
+            [](void* self, unsigned) noexcept {
+                auto* s = static_cast<state*>(self);
+                ++s->counters.wakeups;
+                s->drain();
+            },
+            [](void* self, int err) noexcept { static_cast<state*>(self)->fail(err); });
+    } catch (...) {
+        std::lock_guard g(watched_lock);
+        std::erase(watched, dev);
+        throw;
+    }
+}
+
+device_events::~device_events() {
+    state_->closed = true;
+    while (detail::waiter* w = state_->waiters.pop_front()) w->fulfil(ECANCELED);
+    if (state_->watch) state_->watch->release(); // orphaned: it keeps the context open
+    std::lock_guard g(watched_lock);
+    std::erase(watched, state_->device.get());
+}
+
+void device_events::state::fail(int err) noexcept {
+    error = err;
+    std::fprintf(stderr, "ringverbs: async event fd: %s\n", std::system_category().message(err).c_str());
+    while (detail::waiter* w = waiters.pop_front()) w->fulfil(err);
+}
+
+// Reads until EAGAIN; each event is copied, routed and acked before the next is read.
+void device_events::state::drain() noexcept {
+    if (error != 0) return;
+    for (;;) {
+        ibv_async_event ev{};
+        if (ibv_get_async_event(device.get(), &ev) != 0) {
+            const int err = errno;
+            if (err == EAGAIN || err == EWOULDBLOCK) return;
+            if (err == EINTR) continue;
+            fail(err != 0 ? err : EIO);
+            return;
+        }
+        ++counters.events;
+        async_event e;
+        e.type = ev.event_type;
+        switch (ev.event_type) {
+        case IBV_EVENT_CQ_ERR:
+            e.cq = ev.element.cq;
+            break;
+        case IBV_EVENT_QP_FATAL:
+        case IBV_EVENT_QP_REQ_ERR:
+        case IBV_EVENT_QP_ACCESS_ERR:
+        case IBV_EVENT_COMM_EST:
+        case IBV_EVENT_SQ_DRAINED:
+        case IBV_EVENT_PATH_MIG:
+        case IBV_EVENT_PATH_MIG_ERR:
+        case IBV_EVENT_QP_LAST_WQE_REACHED:
+            e.qp = ev.element.qp;
+            e.qp_num = ev.element.qp->qp_num; // alive: its destroy waits for our ack
+            break;
+        case IBV_EVENT_SRQ_ERR:
+        case IBV_EVENT_SRQ_LIMIT_REACHED:
+            e.srq = ev.element.srq;
+            break;
+        case IBV_EVENT_PORT_ACTIVE:
+        case IBV_EVENT_PORT_ERR:
+        case IBV_EVENT_LID_CHANGE:
+        case IBV_EVENT_PKEY_CHANGE:
+        case IBV_EVENT_SM_CHANGE:
+        case IBV_EVENT_CLIENT_REREGISTER:
+        case IBV_EVENT_GID_CHANGE:
+            e.port = ev.element.port_num;
+            break;
+        default:
+            break;
+        }
+        route(e);
+        ibv_ack_async_event(&ev);
+        if (e.routed) ++counters.routed;
+        if (detail::waiter* w = waiters.pop_front()) {
+            auto* a = static_cast<next_awaiter*>(w);
+            a->event = e;
+            a->has = true;
+            w->fulfil(0);
+        } else {
+            try {
+                queue.push_back(e);
+            } catch (...) {
+                // Out of memory: the event was routed and acked; next() misses it.
+            }
+        }
+    }
+}
+
+void device_events::state::route(async_event& e) noexcept {
+    if (e.cq) {
+        detail::with_object(e.cq, [&](detail::cq_state& c) {
+            if (c.channel->ctx != ctx) return; // another thread's: next() only
+            e.routed = true;
+            c.error = EOVERFLOW;
+            c.fail_waiters(EOVERFLOW);
+            for (detail::qp_state* q : c.qps) q->to_error();
+        });
+    } else if (e.qp && (e.type == IBV_EVENT_QP_FATAL || e.type == IBV_EVENT_QP_REQ_ERR ||
+                        e.type == IBV_EVENT_QP_ACCESS_ERR)) {
+        detail::with_object(e.qp, [&](detail::qp_state& q) {
+            if (q.send_cq->channel->ctx != ctx) return;
+            e.routed = true;
+            q.async_failed = true;
+            q.async_error = e.type;
+            q.to_error();
+        });
+    }
+}
+
+} // namespace ringverbs

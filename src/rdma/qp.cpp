@@ -1,0 +1,576 @@
+#include <ringverbs/rdma/qp.hpp>
+
+#include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace ringverbs {
+
+namespace detail {
+
+qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
+                   std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
+                   std::chrono::nanoseconds flush_timeout, bool overcommit)
+    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps), flush_timeout,
+               overcommit) {}
+
+namespace {
+
+// EINVAL when the QPs on `c` could hold more requests than it has entries.
+void check_commitment(const cq_state& c, std::size_t adding, const char* what) {
+    const auto capacity = static_cast<std::size_t>(c.cq.capacity());
+    if (c.committed + adding <= capacity) return;
+    throw_system_error(
+        EINVAL, "qp: its CQ has " + std::to_string(capacity) + " entries but the QPs on it could "
+                "have " + std::to_string(c.committed + adding) + " requests outstanding (this one " +
+                std::to_string(adding) + " " + what + ", the others " + std::to_string(c.committed) +
+                "): a QP error flushes them all at once and overruns it. Give the CQ more entries "
+                "(cq_options::entries) or set qp_options::allow_cq_overcommit");
+}
+
+} // namespace
+
+qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
+                   verbs::queue_pair q, std::chrono::nanoseconds timeout, bool overcommit)
+    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(std::move(q)),
+      ctx(send_cq->channel->ctx), flush_timeout(timeout) {
+    sink.owner = this;
+    sink.on_wc = &qp_state::sink_completed;
+    flush_timer.owner = this;
+    flush_timer.on_cqe = &qp_state::flush_timer_fired;
+    signal_interval = std::clamp<std::uint32_t>(qp.caps().max_send_wr / 4, 1, 64);
+    committed_send = qp.caps().max_send_wr;
+    committed_recv = qp.caps().max_recv_wr;
+    if (!overcommit) {
+        if (send_cq == recv_cq) {
+            check_commitment(*send_cq, committed_send + committed_recv, "sends and receives");
+        } else {
+            check_commitment(*send_cq, committed_send, "sends");
+            check_commitment(*recv_cq, committed_recv, "receives");
+        }
+    }
+    send_cq->committed += committed_send;
+    recv_cq->committed += committed_recv;
+    send_cq->qps.push_back(this);
+    if (recv_cq != send_cq) recv_cq->qps.push_back(this);
+    try {
+        register_object(qp.native(), this); // for device_events' routing
+    } catch (...) {
+        send_cq->committed -= committed_send;
+        recv_cq->committed -= committed_recv;
+        std::erase(send_cq->qps, this);
+        std::erase(recv_cq->qps, this);
+        throw;
+    }
+}
+
+qp_state::~qp_state() {
+    unregister_object(qp.native());
+    while (waiter* w = close_waiters.pop_front()) w->fulfil(ECANCELED);
+    // release() keeps the state until nothing is owed; this is a last resort.
+    if (pending_count > 0) reset(false);
+    send_cq->committed -= committed_send;
+    recv_cq->committed -= committed_recv;
+    std::erase(send_cq->qps, this);
+    std::erase(recv_cq->qps, this);
+}
+
+void qp_state::link(wr_op* op) noexcept {
+    op->prev = nullptr;
+    op->next = pending;
+    if (pending) pending->prev = op;
+    pending = op;
+    ++pending_count;
+}
+
+void qp_state::unlink(wr_op* op) noexcept {
+    if (op->prev) op->prev->next = op->next;
+    else pending = op->next;
+    if (op->next) op->next->prev = op->prev;
+    op->prev = op->next = nullptr;
+    if (--pending_count == 0) owed_nothing();
+}
+
+void qp_state::owed_nothing() noexcept {
+    while (waiter* w = close_waiters.pop_front()) w->fulfil(0);
+    if (!flush_timer_armed) return;
+    try {
+        ctx->cancel(&flush_timer);
+    } catch (...) {
+        // The ring is unusable: the timer fires on its own and finds nothing owed.
+    }
+}
+
+void qp_state::sink_posted() noexcept {
+    if (sink_outstanding++ == 0) link(&sink);
+    else ++pending_count;
+}
+
+void qp_state::sink_completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
+    qp_state* q = static_cast<sink_op*>(op)->owner;
+    q->note_unsignaled(wc);
+    if (--q->sink_outstanding == 0) q->unlink(&q->sink);
+    else --q->pending_count; // > 0: the sink itself is still owed
+}
+
+void qp_state::note_unsignaled(const ibv_wc& wc) noexcept {
+    if (wc.status == IBV_WC_SUCCESS) return;
+    if (wc.status == IBV_WC_WR_FLUSH_ERR) {
+        ++counters.flushed;
+        return;
+    }
+    ++counters.failed;
+    if (!unsignaled_failure) unsignaled_failure = wc;
+}
+
+void qp_state::to_error() noexcept {
+    if (!in_error) {
+        try {
+            qp.to_error();
+        } catch (const std::exception& e) {
+            // The flush timer still ends what is owed.
+            std::fprintf(stderr, "ringverbs: %s\n", e.what());
+        }
+        in_error = true;
+    }
+    watch_flush();
+}
+
+void qp_state::posting_while_in_error() noexcept {
+    // The user may have reset and connected the QP again since (through native_qp(), which
+    // we do not see): ask the device. Only on this path, never on a healthy QP's posts.
+    try {
+        if (qp.state() != IBV_QPS_ERR) {
+            in_error = false;
+            return;
+        }
+    } catch (const std::exception&) {
+        // Cannot tell: treat it as still in error, the bound only ends what is owed.
+    }
+    // Still in the error state: what is posted now completes only by a flush, which some
+    // devices never deliver for requests posted in this state (Linux 6.1's rxe): bound it.
+    posted_in_error = true;
+}
+
+void qp_state::watch_flush() noexcept {
+    if (pending_count == 0 || flush_timer_armed) return;
+    if (ctx->shutting_down()) {
+        // ~io_context: no flush will be serviced any more (the channels' polls are cancelled).
+        reset(false);
+        return;
+    }
+    try {
+        io_uring_sqe* sqe = ctx->get_sqe();
+        flush_ts = to_kernel_timespec(flush_timeout);
+        io_uring_prep_timeout(sqe, &flush_ts, 0, 0);
+        io_uring_sqe_set_data(sqe, static_cast<operation*>(&flush_timer));
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "ringverbs: qp %u: no flush timer (%s): its %zu owed requests end now\n",
+                     qp.qp_num(), e.what(), pending_count);
+        reset(false);
+        return;
+    }
+    flush_timer_armed = true;
+    ctx->start_background();
+}
+
+void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
+    qp_state* self = static_cast<flush_timer_op*>(op)->owner;
+    self->flush_timer_armed = false;
+    self->ctx->finish_background();
+    if (self->pending_count > 0) {
+        if (res == -ETIME) {
+            std::fprintf(stderr, "ringverbs: qp %u: %zu requests still not flushed %lld ms after the QP "
+                                 "entered the error state: QP reset, their awaits end as never flushed\n",
+                         self->qp.qp_num(), self->pending_count,
+                         static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                    self->flush_timeout).count()));
+            self->reset(true);
+        } else if (self->ctx->shutting_down()) {
+            self->reset(false);
+        } else if (self->in_error) {
+            self->watch_flush(); // cancelled when nothing was owed; owed again since
+        }
+    }
+    if (self->keep_alive && self->pending_count == 0) {
+        std::shared_ptr<qp_state> last = std::move(self->keep_alive);
+        // `self` is freed here, with the QP.
+    }
+}
+
+void qp_state::reset(bool never_flushed) noexcept {
+    try {
+        qp.reset(); // from here on the device produces no completion for this QP
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "ringverbs: %s\n", e.what());
+    }
+    in_error = false; // RESET now; connecting it again is the user's
+    // What the device delivered before the reset names live awaiters: dispatch it.
+    send_cq->channel->drain_cq(*send_cq);
+    if (recv_cq != send_cq) recv_cq->channel->drain_cq(*recv_cq);
+    while (pending) {
+        ibv_wc wc{};
+        wc.status = IBV_WC_WR_FLUSH_ERR;
+        wc.qp_num = qp.qp_num();
+        wc.vendor_err = never_flushed ? never_flushed_vendor_err : 0;
+        wr_op* op = pending;
+        op->on_wc(op, wc, true);
+    }
+}
+
+void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
+    if (self->pending_count > 0) self->to_error();
+    // Freed with `self`, unless the flush timer is in flight (owed requests, or a cancelled
+    // timer whose CQE has not come yet): the kernel still names it, so the state waits for
+    // that CQE (flush_timer_fired frees it once nothing is owed).
+    if (!self->flush_timer_armed) return;
+    qp_state* s = self.get();
+    s->keep_alive = std::move(self);
+}
+
+wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
+                       wait_options options) noexcept
+    : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
+    on_wc = &wr_awaiter::completed;
+    sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
+    sge_.length = r.local.length;
+    sge_.lkey = r.local.lkey;
+    each_ = r.each;
+    signaled_ = r.signaled || k == kind::recv;
+    if (k == kind::recv) {
+        recv_chain_ = r.recv_chain;
+        recv_wr_.sg_list = &sge_;
+        recv_wr_.num_sge = 1;
+        return;
+    }
+    send_chain_ = r.send_chain;
+    send_wr_.opcode = r.opcode;
+    send_wr_.sg_list = &sge_;
+    send_wr_.num_sge = r.local.length > 0 || r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
+                               r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD
+                           ? 1
+                           : 0;
+    send_wr_.send_flags = r.send_flags | IBV_SEND_SIGNALED;
+    if (r.imm) send_wr_.imm_data = htobe32(*r.imm);
+    if (r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+        send_wr_.wr.atomic.remote_addr = r.remote.addr;
+        send_wr_.wr.atomic.rkey = r.remote.rkey;
+        send_wr_.wr.atomic.compare_add = r.compare_add;
+        send_wr_.wr.atomic.swap = r.swap;
+    } else {
+        send_wr_.wr.rdma.remote_addr = r.remote.addr;
+        send_wr_.wr.rdma.rkey = r.remote.rkey;
+    }
+}
+
+wr_awaiter::~wr_awaiter() {
+    if (posted_ && !done_) {
+        // Posted with post() and never awaited: the request still owns its buffer and its
+        // wr_id names this object. Reset the QP: nothing can name us after that.
+        std::fprintf(stderr, "ringverbs: %s: a posted request was destroyed before its "
+                             "completion; qp %u is reset\n", name_, qp_->qp.qp_num());
+        abandon();
+    }
+}
+
+void wr_awaiter::post() {
+    if (posted_) return;
+    if (qp_->in_error) [[unlikely]] qp_->posting_while_in_error();
+    if (!signaled_ && post_unsignaled()) return;
+    if (kind_ == kind::send) {
+        ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
+        ibv_send_wr* last = head;
+        for (ibv_send_wr* w = head; w; w = w->next) {
+            w->wr_id = wr_id_for(this, w->next == nullptr);
+            last = w;
+        }
+        last->send_flags |= IBV_SEND_SIGNALED;
+        if (qp_->send_cq->solicited_only && qp_->send_cq->channel->options.mode != polling_mode::busy)
+            throw_system_error(EINVAL, std::string(name_) +
+                                           ": the qp's send CQ is armed solicited-only, where a send "
+                                           "completion raises no event: this await could wait for "
+                                           "ever. Give the sends a CQ without "
+                                           "cq_options::solicited_only, or use busy polling");
+        ibv_send_wr* bad = nullptr;
+        int rc = hooks().post_send(qp_->qp.native(), head, &bad);
+        if (rc != 0) {
+            // Requests before `bad` were posted and would complete against this awaiter, which
+            // is about to throw: reset the QP so that none can (only what was posted is owed).
+            if (head->next != nullptr && bad != head) abandon();
+            throw_system_error(verbs::verb_errno(rc), name_);
+        }
+        qp_->unsignaled_run = 0; // the signaled last request frees every slot before it
+    } else {
+        ibv_recv_wr* head = recv_chain_ ? recv_chain_ : &recv_wr_;
+        for (ibv_recv_wr* w = head; w; w = w->next) w->wr_id = wr_id_for(this, w->next == nullptr);
+        ibv_recv_wr* bad = nullptr;
+        int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
+        if (rc != 0) {
+            if (head->next != nullptr && bad != head) abandon();
+            throw_system_error(verbs::verb_errno(rc), name_);
+        }
+    }
+    posted_ = true;
+    qp_->link(this);
+    if (qp_->posted_in_error) {
+        qp_->posted_in_error = false;
+        qp_->watch_flush();
+    }
+}
+
+// send_options::signaled = false. Posts the request unsignaled (or, one in signal_interval,
+// signaled with the qp's sink as its wr_id) and ends the await at once: returns true. Returns
+// false without posting when the forced-signaled request is due while too many are still
+// unconfirmed: the caller then posts it signaled, awaited like any other (back pressure).
+bool wr_awaiter::post_unsignaled() {
+    qp_state& q = *qp_;
+    const bool forced = q.unsignaled_run + 1 >= q.signal_interval;
+    if (forced && q.sink_outstanding >= qp_state::max_sink_outstanding) {
+        ++q.counters.throttled;
+        return false;
+    }
+    send_wr_.send_flags &= ~unsigned{IBV_SEND_SIGNALED};
+    if (forced) {
+        send_wr_.send_flags |= IBV_SEND_SIGNALED;
+        send_wr_.wr_id = wr_id_for(&q.sink, true);
+    } else {
+        send_wr_.wr_id = wr_id_for(&q.send_cq->unsignaled, false);
+    }
+    ibv_send_wr* bad = nullptr;
+    int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
+    if (rc != 0) throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
+    ++q.counters.unsignaled;
+    if (forced) {
+        ++q.counters.forced_signaled;
+        q.unsignaled_run = 0;
+        q.sink_posted();
+        if (q.posted_in_error) q.watch_flush();
+    } else {
+        ++q.unsignaled_run;
+    }
+    q.posted_in_error = false;
+    result_ = ibv_wc{};
+    result_.status = IBV_WC_SUCCESS;
+    result_.opcode = send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
+                         ? IBV_WC_RDMA_WRITE
+                         : IBV_WC_SEND;
+    result_.qp_num = q.qp.qp_num();
+    posted_ = true;
+    done_ = true;
+    return true;
+}
+
+void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
+    // Everything that can throw comes before the request is posted (a throw after it would
+    // leave a posted request behind an awaiter about to go): the timer's SQE first.
+    io_uring_sqe* timer = nullptr;
+    try {
+        timer = reserve_timer(*ctx_, options_);
+    } catch (...) {
+        if (posted_) abandon(); // posted early with post(): owed, and the awaiter goes
+        throw;
+    }
+    try {
+        post();
+    } catch (...) {
+        unreserve(timer);
+        throw;
+    }
+    begin_wait(*ctx_, options_, timer, h, &wr_awaiter::interrupted_by);
+}
+
+// This awaiter goes while requests it posted are owed (post() failed part-way through a
+// chain, or a request posted with post() is never awaited): reset the QP, which ends every
+// owed request at once (reset(): the device's completions dispatched, the rest made up), so
+// that no completion names this object after it is gone.
+void wr_awaiter::abandon() noexcept {
+    abandoned_ = true;
+    if (!posted_) {
+        posted_ = true;
+        qp_->link(this);
+    }
+    qp_->reset(false);
+}
+
+void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
+    auto* self = static_cast<wr_awaiter*>(op);
+    if (self->abandoned_) {
+        if (last) {
+            self->done_ = true;
+            self->qp_->unlink(self);
+        }
+        return;
+    }
+    if (self->seen_ < self->each_.size()) self->each_[self->seen_] = wc;
+    ++self->seen_;
+    if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
+        self->failed_ = true;
+        self->first_error_ = wc;
+    }
+    if (!last) return;
+    self->result_ = wc;
+    self->done_ = true;
+    self->qp_->unlink(self);
+    // Posted early and not awaited yet: the co_await will find it done.
+    if (self->wait_phase() == phase::waiting) self->decide(0);
+}
+
+bool wr_awaiter::interrupted_by(wait_core* core, int) noexcept {
+    auto* self = static_cast<wr_awaiter*>(core);
+    self->qp_->to_error(); // owed, so the qp's state is alive
+    return false;
+}
+
+ibv_wc wr_awaiter::await_resume() {
+    if (cancelled_early_) throw_system_error(ECANCELED, name_);
+    const int interrupted = this->interrupted();
+    finish_wait();
+    if (!failed_) return result_; // its real outcome came first
+    const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
+                               first_error_.vendor_err == never_flushed_vendor_err;
+    const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
+    if (stop_won() || interrupted == ECANCELED) throw_system_error(ECANCELED, std::string(name_) + note);
+    if (interrupted == ETIMEDOUT) throw_system_error(ETIMEDOUT, std::string(name_) + note);
+    if (never_flushed)
+        throw_system_error(EIO, std::string(name_) +
+                                    ": never flushed by the device: the QP was in the error state "
+                                    "for qp_options::flush_timeout with this request owed, and was "
+                                    "reset; its buffer is free again");
+    throw completion_error(first_error_, name_);
+}
+
+} // namespace detail
+
+qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps,
+       qp_options o)
+    : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, caps,
+                                                o.flush_timeout, o.allow_cq_overcommit)) {}
+
+namespace {
+verbs::queue_pair checked_adoption(verbs::queue_pair q, const cq& send_cq, const cq& recv_cq) {
+    const ibv_qp* native = q.native();
+    if (native == nullptr) throw_system_error(EINVAL, "qp: the adopted verbs::queue_pair is empty");
+    if (native->qp_type != IBV_QPT_RC) throw_system_error(EINVAL, "qp: the adopted QP is not an RC QP");
+    if (native->send_cq != send_cq.native() || native->recv_cq != recv_cq.native())
+        throw_system_error(EINVAL, "qp: the adopted QP's send_cq/recv_cq are not the given cqs");
+    return q;
+}
+} // namespace
+
+qp::qp(verbs::queue_pair adopted, cq& send_cq, cq& recv_cq, qp_options o)
+    : state_(std::make_shared<detail::qp_state>(
+          send_cq.state_, recv_cq.state_, checked_adoption(std::move(adopted), send_cq, recv_cq),
+          o.flush_timeout, o.allow_cq_overcommit)) {}
+
+qp::~qp() {
+    if (state_) detail::qp_state::release(std::move(state_));
+}
+
+qp& qp::operator=(qp&& other) noexcept {
+    if (this != &other) {
+        if (state_) detail::qp_state::release(std::move(state_));
+        state_ = std::move(other.state_);
+    }
+    return *this;
+}
+
+void qp::to_error() {
+    state_->qp.to_error();
+    state_->in_error = true;
+    state_->watch_flush();
+}
+
+using detail::wr_awaiter;
+using detail::wr_request;
+
+namespace {
+unsigned flags_of(const send_options& o) {
+    unsigned f = 0;
+    if (o.inline_data) f |= IBV_SEND_INLINE;
+    if (o.solicited) f |= IBV_SEND_SOLICITED;
+    if (o.fence) f |= IBV_SEND_FENCE;
+    return f;
+}
+} // namespace
+
+wr_awaiter qp::send(local_buffer data, send_options o, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+    r.local = data;
+    r.send_flags = flags_of(o);
+    r.imm = o.imm;
+    r.signaled = o.signaled;
+    return {state_.get(), wr_awaiter::kind::send,
+            o.imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)", r, std::move(w)};
+}
+
+wr_awaiter qp::recv(local_buffer into, wait_options w) noexcept {
+    wr_request r;
+    r.local = into;
+    return {state_.get(), wr_awaiter::kind::recv, "ibv_post_recv", r, std::move(w)};
+}
+
+wr_awaiter qp::write(local_buffer data, remote_buffer to, send_options o, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = o.imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    r.local = data;
+    r.remote = to;
+    r.send_flags = flags_of(o);
+    r.imm = o.imm;
+    r.signaled = o.signaled;
+    return {state_.get(), wr_awaiter::kind::send,
+            o.imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)", r,
+            std::move(w)};
+}
+
+wr_awaiter qp::read(local_buffer into, remote_buffer from, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = IBV_WR_RDMA_READ;
+    r.local = into;
+    r.remote = from;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(RDMA_READ)", r, std::move(w)};
+}
+
+wr_awaiter qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
+                            std::uint64_t swap, wait_options w) noexcept {
+    wr_request r;
+    r.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
+    r.local = old_value;
+    r.remote = at;
+    r.compare_add = compare;
+    r.swap = swap;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(ATOMIC_CMP_AND_SWP)", r,
+            std::move(w)};
+}
+
+wr_awaiter qp::fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
+                         wait_options w) noexcept {
+    wr_request r;
+    r.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+    r.local = old_value;
+    r.remote = at;
+    r.compare_add = add;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(ATOMIC_FETCH_AND_ADD)", r,
+            std::move(w)};
+}
+
+wr_awaiter qp::post_send(ibv_send_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
+    wr_request r;
+    r.send_chain = &chain;
+    r.each = each;
+    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send", r, std::move(w)};
+}
+
+wr_awaiter qp::post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
+    wr_request r;
+    r.recv_chain = &chain;
+    r.each = each;
+    return {state_.get(), wr_awaiter::kind::recv, "ibv_post_recv", r, std::move(w)};
+}
+
+} // namespace ringverbs

@@ -1,0 +1,21 @@
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+
+namespace ringverbs::detail {
+
+namespace {
+// ibv_poll_cq, ibv_post_* and ibv_req_notify_cq are inline functions of verbs.h: each entry
+// is a plain function that calls the verb.
+constexpr verbs_hooks real{
+    [](ibv_cq* cq, int n, ibv_wc* wc) noexcept { return ibv_poll_cq(cq, n, wc); },
+    [](ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept { return ibv_post_send(qp, wr, bad); },
+    [](ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept { return ibv_post_recv(qp, wr, bad); },
+    [](ibv_cq* cq, int solicited_only) noexcept { return ibv_req_notify_cq(cq, solicited_only); },
+    [](ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept { return ibv_get_cq_event(ch, cq, ctx); },
+};
+verbs_hooks table = real;
+} // namespace
+
+verbs_hooks& hooks() noexcept { return table; }
+const verbs_hooks& real_verbs() noexcept { return real; }
+
+} // namespace ringverbs::detail

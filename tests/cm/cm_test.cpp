@@ -1,0 +1,416 @@
+// rdma_cm on the io_context: resolve, connect, listen/accept, reject, disconnect, all through
+// one event channel, with the process connecting to itself over the test device's address.
+#include "rdma_fixture.hpp"
+
+#include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
+
+#include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stop_token>
+#include <string>
+#include <vector>
+
+using namespace rt;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::errc errc_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+
+// The IPv4 address of the test device: $RINGVERBS_ADDR (the VM harness), else the address its
+// RoCE v2 GID carries. rdma_cm cannot bind 127.0.0.1 on rxe.
+std::string test_addr() {
+    if (const char* a = std::getenv("RINGVERBS_ADDR"); a != nullptr && *a != '\0') return a;
+    if (const char* a = std::getenv("SOFTROCE_ADDR"); a != nullptr && *a != '\0') return a;
+    verbs::context ctx(rdma_device().name);
+    ibv_gid_entry e = ctx.query_gid(rdma_device().port, rdma_device().gid_index);
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &e.gid.raw[12], text, sizeof text);
+    return text;
+}
+
+sockaddr_in addr_at(const std::string& ip, std::uint16_t port) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    REQUIRE(inet_pton(AF_INET, ip.c_str(), &a.sin_addr) == 1);
+    return a;
+}
+
+const sockaddr* sa(const sockaddr_in& a) { return reinterpret_cast<const sockaddr*>(&a); }
+
+std::vector<std::byte> bytes_of(const char* s) {
+    std::vector<std::byte> v(std::strlen(s));
+    std::memcpy(v.data(), s, v.size());
+    return v;
+}
+
+bool starts_with(std::span<const std::byte> got, const std::vector<std::byte>& want) {
+    return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
+}
+
+// Resolves `to` on `id` (address and route), as a connecting id does first.
+task<void> resolve(cm_id& id, const sockaddr_in& to) {
+    co_await id.resolve_addr(sa(to), wait_options(5s));
+    co_await id.resolve_route(wait_options(5s));
+}
+
+} // namespace
+
+TEST_CASE("self-connect: one event channel listens and connects; private data both ways; "
+          "a verified message; disconnect seen by the other side") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20871);
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    CHECK(listener.local_port() == 20871);
+    // librdmacm's own context of the device: the PD and CQs of rdma_create_qp must be on it.
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq cq_server(comp), cq_client(comp);
+    region out(pd, 4096), in(pd, 4096);
+    fill(out.bytes, 77);
+    const auto hello = bytes_of("hello from the connector");
+    const auto welcome = bytes_of("welcome, says the listener");
+    std::vector<std::byte> request_seen, accept_seen;
+    bool server_saw_disconnect = false;
+
+    auto server = [&]() -> task<std::uint32_t> {
+        cm_id conn = co_await listener.accept(wait_options(10s));
+        request_seen.assign(conn.request_data().begin(), conn.request_data().end());
+        qp q = conn.make_qp(pd, cq_server, cq_server);
+        auto r = q.recv(in.all());
+        r.post(); // before accepting: the first message must find it
+        co_await conn.accept_connection(welcome, wait_options(10s));
+        ibv_wc wc = co_await r;
+        co_await conn.disconnected(wait_options(10s));
+        server_saw_disconnect = conn.is_disconnected();
+        co_return wc.byte_len;
+    };
+    auto client = [&]() -> task<void> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, cq_client, cq_client);
+        accept_seen = co_await id.connect(hello, wait_options(10s));
+        co_await q.send(out.local(0, 1500));
+        co_await id.disconnect(wait_options(10s));
+        CHECK(id.is_disconnected());
+    };
+    auto [len, done] = io.run(when_all(server(), client()));
+    (void)done;
+    CHECK(len == 1500);
+    CHECK(std::memcmp(in.bytes.data(), out.bytes.data(), 1500) == 0);
+    CHECK(starts_with(request_seen, hello));
+    CHECK(starts_with(accept_seen, welcome));
+    CHECK(server_saw_disconnect);
+    CHECK(events.events() >= 6);
+    MESSAGE("rdma_cm events: " << events.events() << ", request data " << request_seen.size()
+                               << " bytes, accept data " << accept_seen.size() << " bytes");
+}
+
+TEST_CASE("connect where nothing listens: refused, and the message says so") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20872); // nobody listens here
+    io_context io;
+    cm_channel events(io);
+    cm_id id(events);
+    std::optional<verbs::context> dev;
+    std::optional<verbs::protection_domain> pd;
+    std::optional<channel> comp;
+    std::optional<cq> c;
+    std::optional<qp> q;
+    auto attempt = [&]() -> task<void> {
+        co_await resolve(id, at);
+        dev.emplace(id.device());
+        pd.emplace(*dev);
+        comp.emplace(io, *dev);
+        c.emplace(*comp);
+        q.emplace(id.make_qp(*pd, *c, *c));
+        co_await id.connect({}, wait_options(10s));
+    };
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+        io.run(attempt());
+        FAIL("connect succeeded with nobody listening");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(errc_of(e) == std::errc::connection_refused);
+        CHECK(std::string(e.what()).find("rdma_connect") != std::string::npos);
+        CHECK(std::string(e.what()).find("nothing listens") != std::string::npos);
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+}
+
+TEST_CASE("the listener rejects with private data: the connector's error carries reason and data") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20873);
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq c(comp);
+    const auto why = bytes_of("go away: full");
+    auto server = [&]() -> task<void> {
+        cm_id conn = co_await listener.accept(wait_options(10s));
+        conn.reject(why);
+    };
+    auto client = [&]() -> task<int> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, c, c);
+        try {
+            co_await id.connect(bytes_of("let me in"), wait_options(10s));
+        } catch (const connection_rejected& e) {
+            MESSAGE(std::string(e.what()));
+            CHECK(errc_of(e) == std::errc::connection_refused);
+            CHECK(e.by_peer_application());
+            CHECK(std::string(e.what()).find("rdma_connect") != std::string::npos);
+            CHECK(std::string(e.what()).find("rejected by the peer application") !=
+                  std::string::npos);
+            CHECK(starts_with(e.private_data(), why));
+            co_return e.reason();
+        }
+        co_return -1;
+    };
+    auto [done, reason] = io.run(when_all(server(), client()));
+    (void)done;
+    CHECK(reason == 28);
+}
+
+TEST_CASE("resolve_addr of an address with no route fails fast with a clear error") {
+    // 198.19.0.1: no route inside the VM (and no NIC leaves it): nothing is sent anywhere.
+    const sockaddr_in nowhere = addr_at("198.19.0.1", 20874);
+    io_context io;
+    cm_channel events(io);
+    cm_id id(events);
+    auto attempt = [&]() -> task<void> { co_await id.resolve_addr(sa(nowhere), wait_options(3s)); };
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+        io.run(attempt());
+        FAIL("resolve_addr succeeded for an unroutable address");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(std::string(e.what()).find("rdma_resolve_addr") != std::string::npos);
+        CHECK(errc_of(e) != std::errc::timed_out);
+        CHECK(errc_of(e) != std::errc::operation_canceled);
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+}
+
+TEST_CASE("accept: a timeout, a stop_token, and a destroyed listener end the wait") {
+    const std::string ip = test_addr();
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(addr_at(ip, 20875)));
+    auto timed = [&]() -> task<std::errc> {
+        try {
+            (void)co_await listener.accept(wait_options(30ms));
+        } catch (const std::system_error& e) {
+            CHECK(std::string(e.what()).find("cm_id::accept") != std::string::npos);
+            co_return errc_of(e);
+        }
+        co_return std::errc{};
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(io.run(timed()) == std::errc::timed_out);
+    CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+
+    std::stop_source src;
+    auto stopped = [&]() -> task<std::errc> {
+        try {
+            (void)co_await listener.accept(wait_options(src.get_token()));
+        } catch (const std::system_error& e) {
+            co_return errc_of(e);
+        }
+        co_return std::errc{};
+    };
+    auto stopper = [&]() -> task<void> {
+        co_await sleep_for(io, 10ms);
+        src.request_stop();
+    };
+    auto [err, done] = io.run(when_all(stopped(), stopper()));
+    (void)done;
+    CHECK(err == std::errc::operation_canceled);
+
+    // A listener destroyed under a waiting accept(): operation_canceled.
+    auto holder = std::make_unique<cm_id>(events);
+    holder->listen(sa(addr_at(ip, 20876)));
+    auto orphaned = [&]() -> task<std::errc> {
+        try {
+            (void)co_await holder->accept();
+        } catch (const std::system_error& e) {
+            co_return errc_of(e);
+        }
+        co_return std::errc{};
+    };
+    auto killer = [&]() -> task<void> {
+        co_await sleep_for(io, 10ms);
+        holder.reset();
+    };
+    auto [err2, done2] = io.run(when_all(orphaned(), killer()));
+    (void)done2;
+    CHECK(err2 == std::errc::operation_canceled);
+}
+
+TEST_CASE("lifetime: ids keep their event channel serving, a qp keeps its id") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20877);
+    io_context io;
+    auto events = std::make_unique<cm_channel>(io);
+    auto listener = std::make_unique<cm_id>(*events);
+    listener->listen(sa(at));
+    verbs::context dev = listener->device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq c(comp);
+    auto connector = std::make_unique<cm_id>(*events);
+    events.reset(); // the ids still need it: it keeps watching and routing
+    io.run(resolve(*connector, at));
+    auto q = std::make_unique<qp>(connector->make_qp(pd, c, c));
+    CHECK(q->native_qp().state() == IBV_QPS_INIT);
+    connector.reset(); // the qp holds the rdma_cm_id: rdma_destroy_qp comes first
+    CHECK(q->qp_num() != 0);
+    q.reset();
+    listener.reset();
+}
+
+// One side disconnects while the other has receives posted and awaited: the other side's id
+// answers the DREQ, its QP goes to the error state and every posted receive resumes flushed.
+// Run with the connector disconnecting, then with the listener disconnecting.
+TEST_CASE("disconnect from either side mid-stream: the other side's pending receives resume "
+          "flushed, none hangs") {
+    const std::string ip = test_addr();
+    for (const bool client_leaves : {true, false}) {
+        CAPTURE(client_leaves);
+        const sockaddr_in at = addr_at(ip, client_leaves ? 20878 : 20879);
+        io_context io;
+        cm_channel events(io);
+        cm_id listener(events);
+        listener.listen(sa(at));
+        verbs::context dev = listener.device();
+        verbs::protection_domain pd(dev);
+        channel comp(io, dev);
+        cq cq_server(comp), cq_client(comp);
+        region server_in(pd, 4 * 64), client_in(pd, 4 * 64), out(pd, 64);
+        fill(out.bytes, 5);
+        int flushed_on_stayer = 0;
+        int delivered = 0;
+
+        // The side that stays: 4 receives posted before it connects (or accepts), the first
+        // gets a message, the other 3 must be flushed by the peer's disconnect.
+        auto stay = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
+            auto r0 = q.recv(in.local(0, 64));
+            auto r1 = q.recv(in.local(64, 64));
+            auto r2 = q.recv(in.local(128, 64));
+            auto r3 = q.recv(in.local(192, 64));
+            r0.post(), r1.post(), r2.post(), r3.post();
+            if (connector) co_await id.connect({}, wait_options(10s));
+            else co_await id.accept_connection({}, wait_options(10s));
+            co_await r0;
+            ++delivered;
+            for (auto* r : {&r1, &r2, &r3}) {
+                try {
+                    (void)co_await *r;
+                    FAIL("a receive completed without a message");
+                } catch (const completion_error& e) {
+                    CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+                    ++flushed_on_stayer;
+                }
+            }
+            co_await id.disconnected(wait_options(10s));
+        };
+        // The side that leaves: one message, then disconnect with a receive of its own posted
+        // (flushed by its own disconnect).
+        auto leave = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
+            auto mine = q.recv(in.local(0, 64));
+            mine.post();
+            if (connector) co_await id.connect({}, wait_options(10s));
+            else co_await id.accept_connection({}, wait_options(10s));
+            co_await q.send(out.local(0, 64));
+            co_await id.disconnect(wait_options(10s));
+            try {
+                (void)co_await mine;
+                FAIL("the leaver's receive completed");
+            } catch (const completion_error& e) {
+                CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+            }
+        };
+        auto server = [&]() -> task<void> {
+            cm_id conn = co_await listener.accept(wait_options(10s));
+            qp q = conn.make_qp(pd, cq_server, cq_server);
+            if (client_leaves) co_await stay(conn, q, server_in, false);
+            else co_await leave(conn, q, server_in, false);
+        };
+        auto client = [&]() -> task<void> {
+            cm_id id(events);
+            co_await resolve(id, at);
+            qp q = id.make_qp(pd, cq_client, cq_client);
+            if (client_leaves) co_await leave(id, q, client_in, true);
+            else co_await stay(id, q, client_in, true);
+        };
+        io.run(when_all(server(), client()));
+        CHECK(delivered == 1);
+        CHECK(flushed_on_stayer == 3);
+    }
+}
+
+TEST_CASE("two coroutines await disconnected(): the first destroys the id, the second reads "
+          "nothing freed") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20880);
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq cq_server(comp), cq_client(comp);
+    int ended = 0;
+    auto server = [&]() -> task<void> {
+        cm_id accepted = co_await listener.accept(wait_options(10s));
+        auto conn = std::make_unique<cm_id>(std::move(accepted));
+        auto q = std::make_unique<qp>(conn->make_qp(pd, cq_server, cq_server));
+        co_await conn->accept_connection({}, wait_options(10s));
+        cm_id* id = conn.get();
+        // Both are woken by the same DISCONNECTED event, in this order.
+        // No timeout: a timer's cancellation would let them resume in either order.
+        auto first = [&]() -> task<void> {
+            co_await id->disconnected();
+            ++ended;
+            q.reset();
+            conn.reset(); // the id's state goes with its last holder
+        };
+        auto second = [&]() -> task<void> {
+            co_await id->disconnected();
+            ++ended;
+        };
+        co_await when_all(first(), second());
+    };
+    auto client = [&]() -> task<void> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, cq_client, cq_client);
+        co_await id.connect({}, wait_options(10s));
+        co_await sleep_for(io, 20ms); // both server coroutines wait by now
+        co_await id.disconnect(wait_options(10s));
+    };
+    io.run(when_all(server(), client()));
+    CHECK(ended == 2);
+}

@@ -1,0 +1,264 @@
+#include "fault_injection.hpp"
+#include "rdma_fixture.hpp"
+
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <set>
+#include <stop_token>
+#include <vector>
+
+using namespace rt;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Posts a signaled SEND of `b` with a caller-chosen wr_id, outside the per-request awaits:
+// its completion goes to cq::next().
+void raw_send(qp& q, local_buffer b, std::uint64_t wr_id, unsigned flags = IBV_SEND_SIGNALED) {
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = flags;
+    q.native_qp().post_send(wr);
+}
+
+void raw_recv(qp& q, local_buffer b, std::uint64_t wr_id) {
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    q.native_qp().post_recv(wr);
+}
+
+} // namespace
+
+TEST_CASE("next() gives completions to several waiters in FIFO order") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    std::vector<std::pair<int, std::uint64_t>> got; // (waiter, wr_id)
+    auto waiter = [&](int id) -> task<void> {
+        ibv_wc wc = co_await lp.cq_b.next();
+        CHECK(wc.status == IBV_WC_SUCCESS);
+        got.emplace_back(id, wc.wr_id);
+    };
+    for (int i = 0; i < 4; ++i) io.spawn(waiter(i));
+    io.run_once(false); // all four are waiting now
+    for (std::uint64_t i = 0; i < 4; ++i) raw_recv(lp.b, buf.local(i * 64, 64), 100 + i);
+    for (std::uint64_t i = 0; i < 4; ++i) raw_send(lp.a, buf.local(1024 + i * 64, 64), 200 + i);
+    io.run();
+    REQUIRE(got.size() == 4);
+    for (int i = 0; i < 4; ++i) {
+        CHECK(got[static_cast<std::size_t>(i)].first == i);
+        CHECK(got[static_cast<std::size_t>(i)].second == 100u + static_cast<unsigned>(i));
+    }
+    // The sends completed on a's CQ, where nobody waited: they are buffered for next().
+    CHECK(lp.cq_a.buffered() == 4);
+    auto drain = [&]() -> task<std::size_t> {
+        ibv_wc wcs[8];
+        co_return co_await lp.cq_a.next_batch(wcs);
+    };
+    CHECK(io.run(drain()) == 4);
+    CHECK(lp.cq_a.buffered() == 0);
+}
+
+TEST_CASE("next() does not suspend when a completion is ready; next_batch gives several") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    for (std::uint64_t i = 0; i < 8; ++i) raw_recv(lp.b, buf.local(i * 64, 64), i);
+    for (std::uint64_t i = 0; i < 8; ++i) raw_send(lp.a, buf.local(2048 + i * 64, 64), 50 + i);
+    auto t = [&]() -> task<void> {
+        std::set<std::uint64_t> ids;
+        ibv_wc first = co_await lp.cq_b.next();
+        ids.insert(first.wr_id);
+        ibv_wc more[16];
+        while (ids.size() < 8) {
+            std::size_t n = co_await lp.cq_b.next_batch(more);
+            CHECK(n >= 1);
+            for (std::size_t i = 0; i < n; ++i) ids.insert(more[i].wr_id);
+        }
+        CHECK(ids == std::set<std::uint64_t>{0, 1, 2, 3, 4, 5, 6, 7});
+    };
+    io.run(t());
+}
+
+TEST_CASE("next() times out, is cancelled by its stop_token, and ends when the cq is destroyed") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    auto c = std::make_unique<cq>(ch);
+    std::stop_source src;
+    std::vector<std::errc> seen;
+    auto timed = [&]() -> task<void> {
+        try {
+            co_await c->next(5ms);
+        } catch (const std::system_error& e) {
+            seen.push_back(static_cast<std::errc>(e.code().value()));
+        }
+    };
+    auto stoppable = [&]() -> task<void> {
+        try {
+            co_await c->next(src.get_token());
+        } catch (const std::system_error& e) {
+            seen.push_back(static_cast<std::errc>(e.code().value()));
+        }
+    };
+    auto orphan = [&]() -> task<void> {
+        try {
+            co_await c->next();
+        } catch (const std::system_error& e) {
+            seen.push_back(static_cast<std::errc>(e.code().value()));
+        }
+    };
+    io.spawn(timed());
+    io.spawn(stoppable());
+    io.spawn(orphan());
+    io.run_once(false);
+    CHECK(io.waiters() == 3);
+    while (seen.empty()) io.run_once(true);
+    CHECK(seen[0] == std::errc::timed_out);
+    src.request_stop();
+    while (seen.size() < 2) io.run_once(true);
+    CHECK(seen[1] == std::errc::operation_canceled);
+    c.reset();
+    io.run();
+    REQUIRE(seen.size() == 3);
+    CHECK(seen[2] == std::errc::operation_canceled);
+    CHECK(io.waiters() == 0);
+}
+
+TEST_CASE("a solicited_only CQ wakes only for solicited receives (and polls them all then)") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    cq send_cq(ch);
+    cq recv_cq(ch, cq_options{.solicited_only = true});
+    qp a(dev.pd, send_cq, send_cq);
+    qp b(dev.pd, send_cq, recv_cq);
+    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port, rdma_device().gid_index);
+    region buf(dev.pd, 4096);
+    for (std::uint64_t i = 0; i < 3; ++i) raw_recv(b, buf.local(i * 64, 64), i);
+    // Two unsolicited sends: their receives complete, but no event fires for recv_cq.
+    raw_send(a, buf.local(1024, 8), 10);
+    raw_send(a, buf.local(1088, 8), 11);
+    auto settle = [&]() -> task<void> {
+        // Both sends completed on send_cq: the receives landed before that.
+        co_await send_cq.next();
+        co_await send_cq.next();
+        co_await sleep_for(io, 20ms);
+    };
+    io.run(settle());
+    CHECK(recv_cq.counters().events == 0);
+    CHECK(recv_cq.buffered() == 0);
+    // A solicited send wakes the CQ; the service then polls all three receives.
+    raw_send(a, buf.local(1152, 8), 12, IBV_SEND_SIGNALED | IBV_SEND_SOLICITED);
+    auto three = [&]() -> task<std::size_t> {
+        std::size_t n = 0;
+        while (n < 3) {
+            co_await recv_cq.next(10s);
+            ++n;
+        }
+        co_return n;
+    };
+    CHECK(io.run(three()) == 3);
+    CHECK(recv_cq.counters().events >= 1);
+}
+
+TEST_CASE("CQs spread over the completion vectors by default, or use the one named") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    const int vectors = dev.ctx.num_comp_vectors();
+    REQUIRE(vectors >= 1);
+    std::vector<std::unique_ptr<cq>> cqs;
+    for (int i = 0; i < 2 * vectors; ++i) cqs.push_back(std::make_unique<cq>(ch));
+    for (int i = 0; i < 2 * vectors; ++i) CHECK(cqs[static_cast<std::size_t>(i)]->comp_vector() == i % vectors);
+    cq pinned(ch, cq_options{.comp_vector = vectors - 1});
+    CHECK(pinned.comp_vector() == vectors - 1);
+    try {
+        cq bad(ch, cq_options{.comp_vector = vectors});
+        FAIL("an out-of-range vector was accepted");
+    } catch (const std::system_error& e) {
+        CHECK(e.code() == std::errc::invalid_argument);
+        CHECK(std::string(e.what()).find("ibv_create_cq") != std::string::npos);
+    }
+}
+
+TEST_CASE("a next_batch() fulfilled in the turn another coroutine destroys its cq reads nothing freed") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    auto cq_a = std::make_unique<cq>(ch);
+    cq cq_b(ch);
+    constexpr verbs::qp_caps caps{.max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1,
+                                  .max_recv_sge = 1, .max_inline_data = 0};
+    auto a = std::make_unique<qp>(dev.pd, *cq_a, *cq_a, caps);
+    qp b(dev.pd, cq_b, cq_b, caps);
+    verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,
+                            rdma_device().gid_index, all_remote);
+    region buf(dev.pd, 4096);
+    raw_recv(b, buf.local(0, 64), 1);
+    raw_recv(b, buf.local(64, 64), 2);
+    bool destroyed = false;
+    std::size_t batch = 0;
+    // Resumed first: its send completes on cq_a just before the raw send that fulfils the
+    // batch below, in the same poll. It destroys the qp and the cq, freeing the cq's state.
+    auto destroyer = [&]() -> task<void> {
+        co_await a->send(buf.local(1024, 64));
+        a.reset();
+        cq_a.reset();
+        destroyed = true;
+    };
+    auto consumer = [&]() -> task<void> {
+        ibv_wc wcs[4];
+        batch = co_await cq_a->next_batch(wcs);
+        CHECK(destroyed);
+        CHECK(wcs[0].wr_id == 77);
+    };
+    io.spawn(consumer());
+    io.run_once(false); // the consumer waits
+    io.spawn(destroyer());
+    io.run_once(false); // the awaited send is posted
+    raw_send(*a, buf.local(2048, 64), 77);
+    io.run();
+    CHECK(batch == 1);
+}
+
+TEST_CASE("a next() that gets no SQE for its timer throws and leaves no waiter behind") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    std::string what;
+    auto t = [&]() -> task<void> {
+        refuse_submission full(io);
+        try {
+            (void)co_await lp.cq_b.next(wait_options(1s));
+        } catch (const std::system_error& e) {
+            what = e.what();
+        }
+    };
+    io.run(t());
+    CHECK(what.find("io_uring_submit") != std::string::npos);
+    CHECK(io.waiters() == 0);
+    // A completion for next() now is buffered for the next consumer, not handed to the
+    // waiter that threw.
+    raw_recv(lp.b, buf.local(0, 64), 7);
+    raw_send(lp.a, buf.local(1024, 64), 8);
+    auto take = [&]() -> task<std::uint64_t> {
+        ibv_wc wc = co_await lp.cq_b.next(wait_options(10s));
+        co_return wc.wr_id;
+    };
+    CHECK(io.run(take()) == 7);
+}

@@ -1,0 +1,183 @@
+// Faults between the runtime and the real device, through detail::verbs_hooks: every hook
+// calls the real verb first and then hides or fails part of what it did. Never a mock.
+#pragma once
+
+#include <ringverbs/engine/detail/uring_hooks.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/engine/io_context.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <stop_token>
+#include <thread>
+
+namespace rt {
+
+// Hides, for as long as it lives, every flush completion (IBV_WC_WR_FLUSH_ERR) of the QP
+// numbered `qp_num` (0: of every QP): a device that never delivers them, like Linux 6.1's rxe
+// sometimes. The completions are taken from the CQ and dropped.
+class hide_flushes {
+public:
+    explicit hide_flushes(std::uint32_t qp_num = 0) noexcept {
+        target_ = qp_num;
+        hidden_ = 0;
+        ringverbs::detail::hooks().poll_cq = &poll;
+    }
+    ~hide_flushes() { ringverbs::detail::hooks().poll_cq = ringverbs::detail::real_verbs().poll_cq; }
+    hide_flushes(const hide_flushes&) = delete;
+    hide_flushes& operator=(const hide_flushes&) = delete;
+
+    static int hidden() noexcept { return hidden_; }
+
+private:
+    static bool hides(const ibv_wc& wc) noexcept {
+        return wc.status == IBV_WC_WR_FLUSH_ERR && (target_ == 0 || wc.qp_num == target_);
+    }
+    // Keeps polling while the real CQ fills the whole request, so that a caller that stops at
+    // a short batch ("the CQ is empty") is not misled by what was hidden.
+    static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
+        int got = 0;
+        for (;;) {
+            const int want = n - got;
+            const int r = ringverbs::detail::real_verbs().poll_cq(cq, want, wc + got);
+            if (r < 0) return got > 0 ? got : r;
+            int kept = got;
+            for (int i = got; i < got + r; ++i) {
+                if (hides(wc[i])) ++hidden_;
+                else wc[kept++] = wc[i];
+            }
+            got = kept;
+            if (r < want || got == n) return got;
+        }
+    }
+    static inline std::uint32_t target_ = 0;
+    static inline int hidden_ = 0;
+};
+
+// Makes the next ibv_post_recv of a chain post only its first `posted` requests for real and
+// then fail with ENOMEM at the next one (bad_wr pointing at it), as a full receive queue would.
+class fail_recv_chain_at {
+public:
+    explicit fail_recv_chain_at(int posted) noexcept {
+        posted_ = posted;
+        ringverbs::detail::hooks().post_recv = &post;
+    }
+    ~fail_recv_chain_at() {
+        ringverbs::detail::hooks().post_recv = ringverbs::detail::real_verbs().post_recv;
+    }
+    fail_recv_chain_at(const fail_recv_chain_at&) = delete;
+    fail_recv_chain_at& operator=(const fail_recv_chain_at&) = delete;
+
+private:
+    static int post(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
+        ibv_recv_wr* cut = wr;
+        for (int i = 1; i < posted_ && cut; ++i) cut = cut->next;
+        if (posted_ <= 0 || cut == nullptr || cut->next == nullptr)
+            return ringverbs::detail::real_verbs().post_recv(qp, wr, bad);
+        ibv_recv_wr* rest = cut->next;
+        cut->next = nullptr;
+        const int rc = ringverbs::detail::real_verbs().post_recv(qp, wr, bad);
+        cut->next = rest;
+        if (rc != 0) return rc;
+        *bad = rest;
+        return ENOMEM;
+    }
+    static inline int posted_ = 0;
+};
+
+// Interrupts the next `count` calls of ibv_get_cq_event (EINTR, nothing read) and makes the
+// next `count` calls of ibv_req_notify_cq fail with EAGAIN (not armed), while it lives.
+class interrupt_events {
+public:
+    explicit interrupt_events(int count) noexcept {
+        get_left_ = count;
+        notify_left_ = count;
+        interrupted_ = 0;
+        refused_ = 0;
+        ringverbs::detail::hooks().get_cq_event = &get_event;
+        ringverbs::detail::hooks().req_notify_cq = &notify;
+    }
+    ~interrupt_events() {
+        ringverbs::detail::hooks().get_cq_event = ringverbs::detail::real_verbs().get_cq_event;
+        ringverbs::detail::hooks().req_notify_cq = ringverbs::detail::real_verbs().req_notify_cq;
+    }
+    interrupt_events(const interrupt_events&) = delete;
+    interrupt_events& operator=(const interrupt_events&) = delete;
+
+    static int interrupted() noexcept { return interrupted_; }
+    static int refused() noexcept { return refused_; }
+
+private:
+    static int get_event(ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
+        if (get_left_ > 0) {
+            --get_left_;
+            ++interrupted_;
+            errno = EINTR;
+            return -1;
+        }
+        return ringverbs::detail::real_verbs().get_cq_event(ch, cq, ctx);
+    }
+    static int notify(ibv_cq* cq, int solicited_only) noexcept {
+        if (notify_left_ > 0) {
+            --notify_left_;
+            ++refused_;
+            return EAGAIN;
+        }
+        return ringverbs::detail::real_verbs().req_notify_cq(cq, solicited_only);
+    }
+    static inline int get_left_ = 0;
+    static inline int notify_left_ = 0;
+    static inline int interrupted_ = 0;
+    static inline int refused_ = 0;
+};
+
+// Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
+// fail (EBUSY), while it lives: every wait that needs an SQE throws "io_uring_submit".
+class refuse_submission {
+public:
+    explicit refuse_submission(ringverbs::io_context& io) noexcept {
+        io_uring* ring = io.native_ring();
+        while (io_uring_sq_space_left(ring) > 0) {
+            io_uring_sqe* sqe = io_uring_get_sqe(ring);
+            io_uring_prep_nop(sqe);
+            io_uring_sqe_set_data64(sqe, 0);
+        }
+        saved_ = ringverbs::detail::io_uring_hooks().submit;
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
+    }
+    ~refuse_submission() { ringverbs::detail::io_uring_hooks().submit = saved_; }
+    refuse_submission(const refuse_submission&) = delete;
+    refuse_submission& operator=(const refuse_submission&) = delete;
+
+private:
+    decltype(ringverbs::detail::uring_hooks::submit) saved_ = nullptr;
+};
+
+// Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a
+// failure with a message instead of a CI timeout.
+class watchdog {
+public:
+    watchdog(std::chrono::seconds limit, const char* what)
+        : thread_([limit, what](std::stop_token st) {
+              std::mutex m;
+              std::condition_variable_any cv;
+              std::unique_lock lock(m);
+              cv.wait_for(lock, st, limit, [] { return false; });
+              if (st.stop_requested()) return;
+              std::fprintf(stderr, "watchdog: '%s' did not finish within %lld s\n", what,
+                           static_cast<long long>(limit.count()));
+              std::abort();
+          }) {}
+
+private:
+    std::jthread thread_;
+};
+
+} // namespace rt

@@ -1,0 +1,424 @@
+// Every await on a qp ends exactly once, and nothing is touched after its owner is gone: under
+// destruction mid-await, lost flushes, failed posts and QP reuse, on a real device.
+#include "fault_injection.hpp"
+#include "rdma_fixture.hpp"
+
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <stop_token>
+#include <string>
+
+using namespace rt;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::errc errc_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+
+constexpr verbs::qp_caps small_caps{.max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1,
+                                    .max_recv_sge = 1, .max_inline_data = 64};
+
+// Two connected QPs on one channel where either may be destroyed on its own, with a short
+// bounded flush.
+struct pair {
+    channel ch;
+    cq cq_a;
+    cq cq_b;
+    std::unique_ptr<qp> a;
+    std::unique_ptr<qp> b;
+    pair(device& d, io_context& io, qp_options o = {.flush_timeout = 200ms})
+        : ch(io, d.ctx), cq_a(ch), cq_b(ch),
+          a(std::make_unique<qp>(d.pd, cq_a, cq_a, small_caps, o)),
+          b(std::make_unique<qp>(d.pd, cq_b, cq_b, small_caps, o)) {
+        connect();
+    }
+    void connect() {
+        verbs::connect_loopback(a->native_qp(), b->native_qp(), rdma_device().port,
+                                rdma_device().gid_index, all_remote);
+    }
+};
+
+// The outcome of one await: what it threw (or success), and how many times it ended.
+struct outcome {
+    int ended = 0;
+    std::errc code{};
+    std::string what;
+    ibv_wc_status status = IBV_WC_SUCCESS;
+};
+
+task<void> await_recv(qp& q, local_buffer buf, wait_options w, outcome& out) {
+    try {
+        co_await q.recv(buf, std::move(w));
+    } catch (const completion_error& e) {
+        out.status = e.status();
+        out.what = e.what();
+    } catch (const std::system_error& e) {
+        out.code = errc_of(e);
+        out.what = e.what();
+    }
+    ++out.ended;
+}
+
+} // namespace
+
+TEST_CASE("a timed receive whose qp another coroutine destroys ends once; the freed qp is not read") {
+    watchdog wd(60s, "timed receive on a destroyed qp");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    outcome o;
+    io.spawn(await_recv(*p.b, in.all(), wait_options(10s), o));
+    auto destroyer = [&]() -> task<void> {
+        co_await sleep_for(io, 1ms);
+        p.b.reset();
+    };
+    io.spawn(destroyer());
+    io.run();
+    CHECK(o.ended == 1);
+    CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
+}
+
+TEST_CASE("a stoppable receive stopped and then destroyed with its qp in one turn ends once") {
+    watchdog wd(60s, "stop then destroy");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    std::stop_source src;
+    outcome o;
+    io.spawn(await_recv(*p.b, in.all(), wait_options(src.get_token()), o));
+    auto destroyer = [&]() -> task<void> {
+        co_await sleep_for(io, 1ms);
+        src.request_stop(); // queued for the loop thread: runs after the qp is gone
+        p.b.reset();
+    };
+    io.spawn(destroyer());
+    io.run();
+    CHECK(o.ended == 1);
+}
+
+TEST_CASE("a channel shares its device: the verbs::context it was made from may go or move") {
+    device dev;
+    io_context io;
+    // The pattern `channel ch(io, id.device())`: the context object dies right after.
+    auto gone = std::make_unique<verbs::context>(dev.ctx.handle());
+    channel ch(io, *gone);
+    gone.reset();
+    // And a context moved away after the channel was made from it.
+    verbs::context original(dev.ctx.handle());
+    channel ch2(io, original);
+    verbs::context moved = std::move(original);
+    cq c1(ch), c2(ch2);
+    qp a(dev.pd, c1, c1, small_caps), b(dev.pd, c2, c2, small_caps);
+    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
+                            rdma_device().gid_index, all_remote);
+    region out(dev.pd, 64), in(dev.pd, 64);
+    fill(out.bytes, 5);
+    auto r = [&]() -> task<ibv_wc> { co_return co_await b.recv(in.all()); };
+    auto s = [&]() -> task<ibv_wc> { co_return co_await a.send(out.all()); };
+    auto [rwc, swc] = io.run(when_all(r(), s()));
+    CHECK(rwc.byte_len == 64);
+    CHECK(swc.status == IBV_WC_SUCCESS);
+    CHECK(in.bytes == out.bytes);
+}
+
+TEST_CASE("a flush that never comes: the await ends after flush_timeout, as never flushed") {
+    watchdog wd(60s, "never flushed");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 4 * 64);
+    hide_flushes hide(p.b->qp_num());
+    outcome timed, plain;
+    // Its timeout moves the QP to error; the flush is hidden, the bound ends it.
+    io.spawn(await_recv(*p.b, in.local(0, 64), wait_options(20ms), timed));
+    // No timeout: ended only by the same bound.
+    io.spawn(await_recv(*p.b, in.local(64, 64), wait_options(), plain));
+    io.run();
+    CHECK(hide_flushes::hidden() >= 1);
+    CHECK(timed.ended == 1);
+    CHECK(timed.code == std::errc::timed_out);
+    CHECK(timed.what.find("never flushed") != std::string::npos);
+    CHECK(plain.ended == 1);
+    CHECK(plain.code == std::errc::io_error);
+    CHECK(plain.what.find("ibv_post_recv: never flushed by the device") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+    CHECK(p.b->native_qp().state() == IBV_QPS_RESET);
+    MESSAGE(plain.what);
+}
+
+TEST_CASE("a QP reset and connected again after an error: a timeout flushes it again") {
+    watchdog wd(60s, "QP reuse after an error");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64), out(dev.pd, 64);
+    for (int round = 0; round < 3; ++round) {
+        outcome o;
+        io.run(await_recv(*p.b, in.all(), wait_options(10ms), o));
+        CHECK(o.ended == 1);
+        CHECK(o.code == std::errc::timed_out);
+        // A real flush ended it, not the bound: the QP went to the error state this round too.
+        CHECK(o.what.find("never flushed") == std::string::npos);
+        p.a->native_qp().reset();
+        p.b->native_qp().reset();
+        p.connect();
+    }
+    // And it carries messages again.
+    fill(out.bytes, 3);
+    auto r = [&]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
+    auto s = [&]() -> task<ibv_wc> { co_return co_await p.a->send(out.all()); };
+    auto [rwc, swc] = io.run(when_all(r(), s()));
+    CHECK(rwc.byte_len == 64);
+    CHECK(in.bytes == out.bytes);
+}
+
+TEST_CASE("destroying qps whose flushes never come does not block the loop") {
+    watchdog wd(60s, "teardown without flushes");
+    device dev;
+    io_context io;
+    constexpr int doomed = 32;
+    channel ch(io, dev.ctx);
+    cq shared(ch, cq_options{.entries = 4096});
+    std::vector<std::unique_ptr<qp>> qps;
+    region in(dev.pd, doomed * 2 * 64);
+    std::vector<outcome> outs(doomed * 2);
+    hide_flushes hide; // every QP's flushes
+    for (int i = 0; i < doomed; ++i) {
+        qps.push_back(std::make_unique<qp>(dev.pd, shared, shared, small_caps,
+                                           qp_options{.flush_timeout = 300ms}));
+        qps.back()->native_qp().to_init(rdma_device().port);
+        for (int k = 0; k < 2; ++k) {
+            const auto slot = static_cast<std::size_t>(i * 2 + k);
+            io.spawn(await_recv(*qps.back(), in.local(slot * 64, 64), wait_options(), outs[slot]));
+        }
+    }
+    io.run_once(false);
+    CHECK(io.waiters() == doomed * 2);
+    // A healthy pair keeps exchanging messages while the doomed ones wait for their bound.
+    pair healthy(dev, io);
+    region buf(dev.pd, 64);
+    long exchanged = 0;
+    bool teardown_done = false;
+    auto pingpong = [&]() -> task<void> {
+        while (!teardown_done) {
+            auto r = [&]() -> task<ibv_wc> { co_return co_await healthy.b->recv(buf.all()); };
+            auto s = [&]() -> task<ibv_wc> { co_return co_await healthy.a->send(buf.all()); };
+            co_await when_all(r(), s());
+            ++exchanged;
+        }
+    };
+    auto watcher = [&]() -> task<void> {
+        while (true) {
+            int ended = 0;
+            for (auto& o : outs) ended += o.ended;
+            if (ended == doomed * 2) break;
+            co_await sleep_for(io, 5ms);
+        }
+        teardown_done = true;
+    };
+    qps.clear(); // must return at once: nothing was flushed
+    int ended_at_return = 0;
+    for (auto& o : outs) ended_at_return += o.ended;
+    CHECK(ended_at_return == 0);
+    io.spawn(pingpong());
+    io.run(watcher());
+    io.run();
+    int never_flushed = 0;
+    for (auto& o : outs) {
+        CHECK(o.ended == 1);
+        if (o.code == std::errc::io_error) ++never_flushed;
+    }
+    CHECK(never_flushed == doomed * 2);
+    CHECK(exchanged > 0);
+    CHECK(io.waiters() == 0);
+    MESSAGE(exchanged << " messages exchanged by another pair while " << doomed
+                      << " qps were torn down");
+}
+
+TEST_CASE("a receive chain that fails part-way: only what was posted is owed, nothing waits") {
+    watchdog wd(60s, "chain failing part-way");
+    device dev;
+    io_context io;
+    pair p(dev, io, qp_options{.flush_timeout = 30s});
+    region in(dev.pd, 4 * 64);
+    ibv_sge sge[4];
+    ibv_recv_wr wr[4]{};
+    for (int i = 0; i < 4; ++i) {
+        auto b = in.local(static_cast<std::size_t>(i) * 64, 64);
+        sge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+        wr[i].sg_list = &sge[i];
+        wr[i].num_sge = 1;
+        wr[i].next = i < 3 ? &wr[i + 1] : nullptr;
+    }
+    std::string what;
+    const auto polls_before = p.ch.counters().polls;
+    {
+        fail_recv_chain_at fail(2); // two receives posted, the third fails
+        auto t = [&]() -> task<void> {
+            try {
+                co_await p.b->post_recv(wr[0]);
+            } catch (const std::system_error& e) {
+                CHECK(errc_of(e) == std::errc::not_enough_memory);
+                what = e.what();
+            }
+        };
+        io.run(t());
+    }
+    CHECK(what.find("ibv_post_recv") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+    // Nothing is left for the bound (30 s here) or for teardown to wait for: no polling loop
+    // waited for a completion of the request that was never posted, and destroying the qp
+    // does not keep its state alive.
+    p.b.reset();
+    io.run();
+    CHECK(p.ch.counters().polls - polls_before < 16);
+    CHECK(io.operations_in_flight() == 1); // the channel's poll alone
+}
+
+TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommit is allowed") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    cq small(ch, cq_options{.entries = 48});
+    const int entries = small.capacity();
+    verbs::qp_caps caps{.max_send_wr = 32, .max_recv_wr = 32, .max_send_sge = 1,
+                        .max_recv_sge = 1, .max_inline_data = 0};
+    std::string what;
+    try {
+        qp q(dev.pd, small, small, caps);
+    } catch (const std::system_error& e) {
+        CHECK(errc_of(e) == std::errc::invalid_argument);
+        what = e.what();
+    }
+    MESSAGE(what);
+    if (entries < 64) {
+        CHECK(what.find(std::to_string(entries) + " entries") != std::string::npos);
+        CHECK(what.find("allow_cq_overcommit") != std::string::npos);
+    }
+    qp allowed(dev.pd, small, small, caps, qp_options{.allow_cq_overcommit = true});
+    CHECK(allowed.qp_num() != 0);
+    // Separate CQs for sends and receives: each is checked against its own queue.
+    cq sends(ch, cq_options{.entries = 64}), recvs(ch, cq_options{.entries = 64});
+    qp split(dev.pd, sends, recvs, caps);
+    CHECK(split.qp_num() != 0);
+}
+
+TEST_CASE("a send awaited on a solicited-only CQ is refused instead of waiting for ever") {
+    watchdog wd(60s, "send on a solicited-only CQ");
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    cq quiet(ch, cq_options{.solicited_only = true});
+    cq normal(ch);
+    qp a(dev.pd, quiet, quiet, small_caps), b(dev.pd, normal, normal, small_caps);
+    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
+                            rdma_device().gid_index, all_remote);
+    region buf(dev.pd, 64);
+    auto t = [&]() -> task<std::string> {
+        try {
+            co_await a.send(buf.all());
+        } catch (const std::system_error& e) {
+            CHECK(errc_of(e) == std::errc::invalid_argument);
+            co_return e.what();
+        }
+        co_return "";
+    };
+    const std::string what = io.run(t());
+    CHECK(what.find("solicited-only") != std::string::npos);
+    CHECK(a.pending() == 0);
+    // Receives on it still work: a solicited send wakes it.
+    auto r = [&]() -> task<ibv_wc> { co_return co_await a.recv(buf.all()); };
+    auto s = [&]() -> task<ibv_wc> {
+        co_return co_await b.send(buf.all(), send_options{.solicited = true});
+    };
+    auto [rwc, swc] = io.run(when_all(r(), s()));
+    CHECK(rwc.status == IBV_WC_SUCCESS);
+    CHECK(swc.status == IBV_WC_SUCCESS);
+}
+
+TEST_CASE("a request posted while its QP is still in the error state ends by the bound") {
+    watchdog wd(60s, "posted in the error state");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    // Moved to error with nothing owed; the user posts to it all the same (without resetting).
+    p.b->to_error();
+    // A device that never flushes requests posted in that state (Linux 6.1's rxe does not).
+    hide_flushes hide(p.b->qp_num());
+    outcome o;
+    io.run(await_recv(*p.b, in.all(), wait_options(), o));
+    CHECK(o.ended == 1);
+    CHECK(o.code == std::errc::io_error);
+    CHECK(o.what.find("never flushed") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+}
+
+TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; then nothing is left") {
+    watchdog wd(60s, "close");
+    for (const bool flushes_lost : {false, true}) {
+        CAPTURE(flushes_lost);
+        device dev;
+        io_context io;
+        pair p(dev, io);
+        region in(dev.pd, 4 * 64);
+        std::optional<hide_flushes> hide;
+        if (flushes_lost) hide.emplace(p.b->qp_num());
+        std::vector<outcome> outs(4);
+        for (int i = 0; i < 4; ++i)
+            io.spawn(await_recv(*p.b, in.local(static_cast<std::size_t>(i) * 64, 64), wait_options(),
+                                outs[static_cast<std::size_t>(i)]));
+        io.run_once(false);
+        REQUIRE(p.b->pending() == 4);
+        int ended_when_closed = -1;
+        auto closer = [&]() -> task<void> {
+            co_await p.b->close(wait_options(10s));
+            ended_when_closed = 0;
+            for (auto& o : outs) ended_when_closed += o.ended;
+        };
+        io.run(closer());
+        CHECK(p.b->pending() == 0);
+        CHECK(ended_when_closed == 4); // close resumed after every owed request had ended
+        io.run();
+        for (auto& o : outs) {
+            CHECK(o.ended == 1); // once each
+            if (flushes_lost) CHECK(o.code == std::errc::io_error);
+            else CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
+        }
+        // Nothing owed: closing again returns at once.
+        auto again = [&]() -> task<void> { co_await p.b->close(); };
+        io.run(again());
+    }
+}
+
+TEST_CASE("a timed await that gets no SQE for its timer throws before posting: nothing owed, QP untouched") {
+    watchdog wd(60s, "no SQE for the timer");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    std::string what;
+    auto t = [&]() -> task<void> {
+        refuse_submission full(io);
+        try {
+            co_await p.b->recv(in.all(), wait_options(1s));
+        } catch (const std::system_error& e) {
+            what = e.what();
+        }
+    };
+    io.run(t());
+    MESSAGE(what);
+    CHECK(what.find("io_uring_submit") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+    CHECK(p.b->native_qp().state() == IBV_QPS_RTS);
+    CHECK(io.waiters() == 0);
+}
