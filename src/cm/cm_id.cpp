@@ -147,7 +147,7 @@ void cm_channel_state::drain() noexcept {
                 hold->unanswered = true;
                 hold->request_data = std::move(data);
                 if (waiter* w = listener->accept_waiters.pop_front()) {
-                    static_cast<cm_id::accept_awaiter*>(w)->taken = hold;
+                    static_cast<cm_accept_waiter*>(w)->taken = hold;
                     w->fulfil(0);
                 } else {
                     listener->backlog.push_back({hold});
@@ -209,7 +209,7 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
         }
         s->disconnected = true;
         s->connected = false;
-        while (waiter* w = s->disc_waiters.pop_front()) w->fulfil(0);
+        while (waiter* w = s->disconnect_waiters.pop_front()) w->fulfil(0);
         if (waiter* w = s->op_waiters.pop_front()) {
             static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
             w->fulfil(0);
@@ -240,7 +240,7 @@ void cm_id_state::fail_all(int err) noexcept {
     error = err;
     while (waiter* w = op_waiters.pop_front()) w->fulfil(err);
     while (waiter* w = accept_waiters.pop_front()) w->fulfil(err);
-    while (waiter* w = disc_waiters.pop_front()) w->fulfil(err);
+    while (waiter* w = disconnect_waiters.pop_front()) w->fulfil(err);
 }
 
 } // namespace detail
@@ -274,7 +274,7 @@ cm_id::~cm_id() {
     state_->closed = true;
     while (detail::waiter* w = state_->op_waiters.pop_front()) w->fulfil(ECANCELED);
     while (detail::waiter* w = state_->accept_waiters.pop_front()) w->fulfil(ECANCELED);
-    while (detail::waiter* w = state_->disc_waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->disconnect_waiters.pop_front()) w->fulfil(ECANCELED);
     state_->backlog.clear(); // unanswered requests are rejected
 }
 
@@ -338,7 +338,7 @@ void cm_id::begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
         cm_check(rdma_connect(s.id, &p), "rdma_connect");
         break;
     }
-    case step::accept: {
+    case step::accept_connection: {
         if (s.id->qp == nullptr) throw_system_error(EINVAL, "rdma_accept (the id has no qp)");
         rdma_conn_param p = conn_param(data, conn, "rdma_accept");
         cm_check(rdma_accept(s.id, &p), "rdma_accept");

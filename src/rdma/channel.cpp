@@ -12,8 +12,9 @@ namespace ringverbs {
 namespace detail {
 
 
-channel_state::channel_state(io_context& c, const verbs::context& dev, channel_options_data o)
+channel_state::channel_state(io_context& c, const verbs::context& dev, const channel_options& o)
     : ctx(&c), channel(dev), device(dev.handle()), options(o), spin_window(o.hybrid_spin) {
+    if (options.poll_batch == 0) options.poll_batch = 1;
     service.owner = this;
     service.priority = options.priority;
     service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
@@ -204,11 +205,7 @@ void channel_state::adapt_spin(std::chrono::nanoseconds gap) noexcept {
 } // namespace detail
 
 channel::channel(io_context& ctx, const verbs::context& device, channel_options o)
-    : state_(std::make_shared<detail::channel_state>(
-          ctx, device,
-          detail::channel_options_data{o.priority, o.mode, o.hybrid_spin, o.ack_batch,
-                                       o.poll_batch == 0 ? 1u : o.poll_batch,
-                                       o.hybrid_spin_max})) {}
+    : state_(std::make_shared<detail::channel_state>(ctx, device, o)) {}
 
 channel::~channel() = default;
 

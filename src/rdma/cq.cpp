@@ -98,16 +98,15 @@ void cq_state::dispatch(const ibv_wc& wc) noexcept {
 void cq_state::deliver(const ibv_wc& wc) noexcept {
     if (closed) return; // nobody can consume it any more
     if (filling) {
-        auto* b = static_cast<cq::batch_awaiter*>(filling);
-        b->out[b->n++] = wc;
-        if (b->n == b->capacity) filling = nullptr;
+        filling->out[filling->taken++] = wc;
+        if (filling->taken == filling->capacity) filling = nullptr;
         return;
     }
     if (waiter* w = waiters.pop_front()) {
-        auto* b = static_cast<cq::batch_awaiter*>(w);
-        b->out[b->n++] = wc;
-        w->fulfil(0);
-        if (b->n < b->capacity) filling = w;
+        auto* c = static_cast<completion_waiter*>(w); // only those wait on a cq
+        c->out[c->taken++] = wc;
+        c->fulfil(0);
+        if (c->taken < c->capacity) filling = c;
         return;
     }
     if (count == buffer.size()) {

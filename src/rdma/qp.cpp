@@ -233,10 +233,17 @@ void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
     s->keep_alive = std::move(self);
 }
 
-wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
+} // namespace detail
+
+using detail::hooks;
+using detail::never_flushed_vendor_err;
+using detail::qp_state;
+using detail::wr_id_for;
+
+qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
                        wait_options options) noexcept
     : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
-    on_wc = &wr_awaiter::completed;
+    on_wc = &qp::request::completed;
     sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
     sge_.length = r.local.length;
     sge_.lkey = r.local.lkey;
@@ -268,7 +275,7 @@ wr_awaiter::wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request&
     }
 }
 
-wr_awaiter::~wr_awaiter() {
+qp::request::~request() {
     if (posted_ && !done_) {
         // Posted with post() and never awaited: the request still owns its buffer and its
         // wr_id names this object. Reset the QP: nothing can name us after that.
@@ -278,7 +285,7 @@ wr_awaiter::~wr_awaiter() {
     }
 }
 
-void wr_awaiter::post() {
+void qp::request::post() {
     if (posted_) return;
     if (qp_->in_error) [[unlikely]] qp_->posting_while_in_error();
     if (!signaled_ && post_unsignaled()) return;
@@ -327,7 +334,7 @@ void wr_awaiter::post() {
 // signaled with the qp's sink as its wr_id) and ends the await at once: returns true. Returns
 // false without posting when the forced-signaled request is due while too many are still
 // unconfirmed: the caller then posts it signaled, awaited like any other (back pressure).
-bool wr_awaiter::post_unsignaled() {
+bool qp::request::post_unsignaled() {
     qp_state& q = *qp_;
     const bool forced = q.unsignaled_run + 1 >= q.signal_interval;
     if (forced && q.sink_outstanding >= qp_state::max_sink_outstanding) {
@@ -365,7 +372,7 @@ bool wr_awaiter::post_unsignaled() {
     return true;
 }
 
-void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
+void qp::request::await_suspend(std::coroutine_handle<> h) {
     // Everything that can throw comes before the request is posted (a throw after it would
     // leave a posted request behind an awaiter about to go): the timer's SQE first.
     io_uring_sqe* timer = nullptr;
@@ -381,14 +388,14 @@ void wr_awaiter::await_suspend(std::coroutine_handle<> h) {
         unreserve(timer);
         throw;
     }
-    begin_wait(*ctx_, options_, timer, h, &wr_awaiter::interrupted_by);
+    begin_wait(*ctx_, options_, timer, h, &qp::request::interrupted_by);
 }
 
 // This awaiter goes while requests it posted are owed (post() failed part-way through a
 // chain, or a request posted with post() is never awaited): reset the QP, which ends every
 // owed request at once (reset(): the device's completions dispatched, the rest made up), so
 // that no completion names this object after it is gone.
-void wr_awaiter::abandon() noexcept {
+void qp::request::abandon() noexcept {
     abandoned_ = true;
     if (!posted_) {
         posted_ = true;
@@ -397,8 +404,8 @@ void wr_awaiter::abandon() noexcept {
     qp_->reset(false);
 }
 
-void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
-    auto* self = static_cast<wr_awaiter*>(op);
+void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
+    auto* self = static_cast<qp::request*>(op);
     if (self->abandoned_) {
         if (last) {
             self->done_ = true;
@@ -420,13 +427,13 @@ void wr_awaiter::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     if (self->wait_phase() == phase::waiting) self->decide(0);
 }
 
-bool wr_awaiter::interrupted_by(wait_core* core, int) noexcept {
-    auto* self = static_cast<wr_awaiter*>(core);
+bool qp::request::interrupted_by(wait_core* core, int) noexcept {
+    auto* self = static_cast<qp::request*>(core);
     self->qp_->to_error(); // owed, so the qp's state is alive
     return false;
 }
 
-ibv_wc wr_awaiter::await_resume() {
+ibv_wc qp::request::await_resume() {
     if (cancelled_early_) throw_system_error(ECANCELED, name_);
     const int interrupted = this->interrupted();
     finish_wait();
@@ -444,7 +451,6 @@ ibv_wc wr_awaiter::await_resume() {
     throw completion_error(first_error_, name_);
 }
 
-} // namespace detail
 
 qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps,
        qp_options o)
@@ -485,7 +491,6 @@ void qp::to_error() {
     state_->watch_flush();
 }
 
-using detail::wr_awaiter;
 using detail::wr_request;
 
 namespace {
@@ -498,24 +503,24 @@ unsigned flags_of(const send_options& o) {
 }
 } // namespace
 
-wr_awaiter qp::send(local_buffer data, send_options o, wait_options w) noexcept {
+qp::request qp::send(local_buffer data, send_options o, wait_options w) noexcept {
     wr_request r;
     r.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
     r.local = data;
     r.send_flags = flags_of(o);
     r.imm = o.imm;
     r.signaled = o.signaled;
-    return {state_.get(), wr_awaiter::kind::send,
+    return {state_.get(), request::kind::send,
             o.imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)", r, std::move(w)};
 }
 
-wr_awaiter qp::recv(local_buffer into, wait_options w) noexcept {
+qp::request qp::recv(local_buffer into, wait_options w) noexcept {
     wr_request r;
     r.local = into;
-    return {state_.get(), wr_awaiter::kind::recv, "ibv_post_recv", r, std::move(w)};
+    return {state_.get(), request::kind::recv, "ibv_post_recv", r, std::move(w)};
 }
 
-wr_awaiter qp::write(local_buffer data, remote_buffer to, send_options o, wait_options w) noexcept {
+qp::request qp::write(local_buffer data, remote_buffer to, send_options o, wait_options w) noexcept {
     wr_request r;
     r.opcode = o.imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
     r.local = data;
@@ -523,20 +528,20 @@ wr_awaiter qp::write(local_buffer data, remote_buffer to, send_options o, wait_o
     r.send_flags = flags_of(o);
     r.imm = o.imm;
     r.signaled = o.signaled;
-    return {state_.get(), wr_awaiter::kind::send,
+    return {state_.get(), request::kind::send,
             o.imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)", r,
             std::move(w)};
 }
 
-wr_awaiter qp::read(local_buffer into, remote_buffer from, wait_options w) noexcept {
+qp::request qp::read(local_buffer into, remote_buffer from, wait_options w) noexcept {
     wr_request r;
     r.opcode = IBV_WR_RDMA_READ;
     r.local = into;
     r.remote = from;
-    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(RDMA_READ)", r, std::move(w)};
+    return {state_.get(), request::kind::send, "ibv_post_send(RDMA_READ)", r, std::move(w)};
 }
 
-wr_awaiter qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
+qp::request qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
                             std::uint64_t swap, wait_options w) noexcept {
     wr_request r;
     r.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
@@ -544,33 +549,33 @@ wr_awaiter qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint6
     r.remote = at;
     r.compare_add = compare;
     r.swap = swap;
-    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(ATOMIC_CMP_AND_SWP)", r,
+    return {state_.get(), request::kind::send, "ibv_post_send(ATOMIC_CMP_AND_SWP)", r,
             std::move(w)};
 }
 
-wr_awaiter qp::fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
+qp::request qp::fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
                          wait_options w) noexcept {
     wr_request r;
     r.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
     r.local = old_value;
     r.remote = at;
     r.compare_add = add;
-    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send(ATOMIC_FETCH_AND_ADD)", r,
+    return {state_.get(), request::kind::send, "ibv_post_send(ATOMIC_FETCH_AND_ADD)", r,
             std::move(w)};
 }
 
-wr_awaiter qp::post_send(ibv_send_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
+qp::request qp::post_send(ibv_send_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
     wr_request r;
     r.send_chain = &chain;
     r.each = each;
-    return {state_.get(), wr_awaiter::kind::send, "ibv_post_send", r, std::move(w)};
+    return {state_.get(), request::kind::send, "ibv_post_send", r, std::move(w)};
 }
 
-wr_awaiter qp::post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
+qp::request qp::post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each, wait_options w) noexcept {
     wr_request r;
     r.recv_chain = &chain;
     r.each = each;
-    return {state_.get(), wr_awaiter::kind::recv, "ibv_post_recv", r, std::move(w)};
+    return {state_.get(), request::kind::recv, "ibv_post_recv", r, std::move(w)};
 }
 
 } // namespace ringverbs

@@ -112,32 +112,37 @@ public:
     // The local port in host order (after listen, or once connected).
     std::uint16_t local_port() const noexcept;
 
+    class accept_awaitable;
+    class step_awaitable;
+    class connect_awaitable;
+    class disconnect_awaitable;
+
     // co_await id.accept(): the next connection request on a listener, as a new cm_id with its
     // own state (request_data() has the request's private data). Answer it with
     // accept_connection() after making its qp, or reject(). Errors: std::system_error
     // "cm_id::accept" with timed_out, operation_canceled (stop_token, or the handle went), or
     // the channel's errno.
-    auto accept(wait_options options = {}) noexcept;
+    accept_awaitable accept(wait_options options = {}) noexcept;
     // The private data of the connection request (IB CM pads it with zeros to 56 bytes).
     std::span<const std::byte> request_data() const noexcept { return state_->request_data; }
 
     // co_await id.resolve_addr(dst): rdma_resolve_addr, then its event. `dst` is copied.
     // The kernel's own resolution timeout is options.timeout (2 s without one). Throws
     // std::system_error naming rdma_resolve_addr (ENETUNREACH, EHOSTUNREACH, ETIMEDOUT, ...).
-    auto resolve_addr(const sockaddr* dst, wait_options options = {}) noexcept;
+    step_awaitable resolve_addr(const sockaddr* dst, wait_options options = {}) noexcept;
     // co_await id.resolve_route(): rdma_resolve_route, then its event. Throws naming
     // rdma_resolve_route.
-    auto resolve_route(wait_options options = {}) noexcept;
+    step_awaitable resolve_route(wait_options options = {}) noexcept;
     // co_await id.connect(data): rdma_connect with `data` as private data (<= 56 bytes on
     // RoCE; copied), then ESTABLISHED. Needs the id's qp. Gives the private data of the peer's
     // accept (zero-padded by IB CM). Throws connection_rejected when the peer refused, or
     // std::system_error naming rdma_connect (ETIMEDOUT, EHOSTUNREACH, ECONNRESET if the
     // connection went before it was established).
-    auto connect(std::span<const std::byte> data = {}, wait_options options = {},
+    connect_awaitable connect(std::span<const std::byte> data = {}, wait_options options = {},
                  cm_conn_options conn = {}) noexcept;
     // co_await c.accept_connection(data): rdma_accept of an accepted request, then
     // ESTABLISHED. Needs the id's qp. Throws std::system_error naming rdma_accept.
-    auto accept_connection(std::span<const std::byte> data = {}, wait_options options = {},
+    step_awaitable accept_connection(std::span<const std::byte> data = {}, wait_options options = {},
                            cm_conn_options conn = {}) noexcept;
     // Refuses an accepted request; the connector gets connection_rejected with `data`
     // (<= 148 bytes on RoCE). Throws std::system_error naming rdma_reject.
@@ -146,11 +151,11 @@ public:
     // co_await id.disconnect(): rdma_disconnect (the QP goes to the error state, flushing its
     // requests), then DISCONNECTED. Returns at once if already disconnected. Throws naming
     // rdma_disconnect.
-    auto disconnect(wait_options options = {}) noexcept;
+    disconnect_awaitable disconnect(wait_options options = {}) noexcept;
     // co_await id.disconnected(): resumes when the connection is gone (either side
     // disconnected, or the peer vanished). Throws std::system_error "cm_id::disconnected" with
     // timed_out or operation_canceled.
-    auto disconnected(wait_options options = {}) noexcept;
+    disconnect_awaitable disconnected(wait_options options = {}) noexcept;
     bool is_disconnected() const noexcept { return state_->disconnected; }
 
     // The qp of this connection: created by rdma_create_qp on `pd` (of device(), else EINVAL)
@@ -171,7 +176,8 @@ private:
     friend struct detail::cm_channel_state;
     explicit cm_id(std::shared_ptr<detail::cm_id_state> s) noexcept : state_(std::move(s)) {}
 
-    enum class step { resolve_addr, resolve_route, connect, accept };
+    enum class step { resolve_addr, resolve_route, connect, accept_connection };
+    class step_wait;
 
     // Starts a step (the rdma_* call) and clears the previous outcome. Throws.
     static void begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
@@ -182,130 +188,169 @@ private:
                                           std::optional<detail::cm_event_data>& result);
     static void start_disconnect(detail::cm_id_state& s);
 
-    struct step_awaiter : detail::cm_step_waiter {
-        detail::cm_id_state* s;
-        step k;
-        sockaddr_storage addr{};
-        std::span<const std::byte> data;
-        cm_conn_options conn;
-        wait_options options;
-
-        step_awaiter(detail::cm_id_state* st, step kind, const sockaddr* dst,
-                     std::span<const std::byte> d, cm_conn_options c, wait_options o) noexcept
-            : s(st), k(kind), data(d), conn(c), options(std::move(o)) {
-            if (dst) {
-                const std::size_t len =
-                    dst->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
-                std::memcpy(&addr, dst, len);
-            }
-        }
-        step_awaiter(const step_awaiter&) = delete;
-        // The event cannot come before we suspend: events are read on this thread, by the loop.
-        bool await_ready() {
-            begin(*s, k, &addr, data, conn, options);
-            return false;
-        }
-        void await_suspend(std::coroutine_handle<> h) {
-            s->op_waiters.push_back(this);
-            start(*s->channel->ctx, options, h, &s->op_waiters, &detail::waiter_queue::detach);
-        }
-        // Always suspended first, so decided here: the outcome is in this object (see
-        // detail::cm_step_waiter), and *s is not read.
-        std::vector<std::byte> take_result() { return outcome(k, decided() ? error() : EIO, result); }
-    };
-    struct void_step_awaiter : step_awaiter {
-        using step_awaiter::step_awaiter;
-        void await_resume() { take_result(); }
-    };
-    struct data_step_awaiter : step_awaiter {
-        using step_awaiter::step_awaiter;
-        std::vector<std::byte> await_resume() { return take_result(); }
-    };
-
-    struct accept_awaiter : detail::waiter {
-        detail::cm_id_state* s;
-        wait_options options;
-        std::shared_ptr<detail::cm_id_state> taken; // set by the channel before fulfil(0)
-
-        accept_awaiter(detail::cm_id_state* st, wait_options o) noexcept
-            : s(st), options(std::move(o)) {}
-        accept_awaiter(const accept_awaiter&) = delete;
-        bool await_ready() noexcept {
-            if (!s->backlog.empty()) {
-                taken = std::move(s->backlog.front().id);
-                s->backlog.pop_front();
-                return true;
-            }
-            return s->closed || s->error != 0;
-        }
-        void await_suspend(std::coroutine_handle<> h) {
-            s->accept_waiters.push_back(this);
-            start(*s->channel->ctx, options, h, &s->accept_waiters, &detail::waiter_queue::detach);
-        }
-        cm_id await_resume() {
-            int err = decided() ? error() : 0;
-            if (!taken) {
-                if (err == 0) err = s->closed ? ECANCELED : s->error;
-                throw_system_error(err, "cm_id::accept");
-            }
-            return cm_id(std::move(taken));
-        }
-    };
-
-    struct disc_awaiter : detail::waiter {
-        detail::cm_id_state* s;
-        bool initiate;
-        wait_options options;
-
-        disc_awaiter(detail::cm_id_state* st, bool init, wait_options o) noexcept
-            : s(st), initiate(init), options(std::move(o)) {}
-        disc_awaiter(const disc_awaiter&) = delete;
-        bool await_ready() {
-            if (s->disconnected || s->closed || s->error != 0) return true;
-            if (initiate) start_disconnect(*s);
-            return s->disconnected;
-        }
-        void await_suspend(std::coroutine_handle<> h) {
-            s->disc_waiters.push_back(this);
-            start(*s->channel->ctx, options, h, &s->disc_waiters, &detail::waiter_queue::detach);
-        }
-        void await_resume() {
-            // Decided: fulfilled (0: the DISCONNECTED event) or failed; *s is not read, since
-            // a coroutine resumed before this one may have destroyed the id. Not decided: it
-            // was ready at once and *s is alive.
-            const int err = decided()            ? error()
-                            : s->disconnected    ? 0
-                            : s->closed          ? ECANCELED
-                                                 : s->error;
-            if (err != 0) throw_system_error(err, initiate ? "rdma_disconnect" : "cm_id::disconnected");
-        }
-    };
-
     std::shared_ptr<detail::cm_id_state> state_;
 };
 
-inline auto cm_id::accept(wait_options options) noexcept {
-    return accept_awaiter{state_.get(), std::move(options)};
+// What resolve_addr, resolve_route, connect and accept_connection share: begins the step
+// (the rdma_* call) at co_await and waits for its event.
+class cm_id::step_wait : detail::cm_step_waiter {
+public:
+    step_wait(const step_wait&) = delete;
+    step_wait& operator=(const step_wait&) = delete;
+    // The event cannot come before we suspend: events are read on this thread, by the loop.
+    bool await_ready() {
+        begin(*state_, step_, &addr_, data_, conn_, options_);
+        return false;
+    }
+    void await_suspend(std::coroutine_handle<> h) {
+        state_->op_waiters.push_back(this);
+        start(*state_->channel->ctx, options_, h, &state_->op_waiters, &detail::waiter_queue::detach);
+    }
+
+protected:
+    step_wait(detail::cm_id_state* state, step k, const sockaddr* dst,
+              std::span<const std::byte> data, cm_conn_options conn, wait_options options) noexcept
+        : state_(state), step_(k), data_(data), conn_(conn), options_(std::move(options)) {
+        if (dst) {
+            const std::size_t len =
+                dst->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+            std::memcpy(&addr_, dst, len);
+        }
+    }
+    // Always suspended first, so decided here: the outcome is in this object (see
+    // detail::cm_step_waiter), and *state_ is not read.
+    std::vector<std::byte> take_result() { return outcome(step_, decided() ? error() : EIO, result); }
+
+private:
+    detail::cm_id_state* state_;
+    step step_;
+    sockaddr_storage addr_{};
+    std::span<const std::byte> data_;
+    cm_conn_options conn_;
+    wait_options options_;
+};
+
+// cm_id::step_awaitable: returned by resolve_addr, resolve_route and accept_connection;
+// co_await ends when the step's event came (gives nothing; throws as each call says). Awaited
+// in place, not moved.
+class cm_id::step_awaitable : public cm_id::step_wait {
+public:
+    void await_resume() { take_result(); }
+
+private:
+    friend class cm_id;
+    using step_wait::step_wait;
+};
+
+// cm_id::connect_awaitable: returned by connect(); co_await gives the private data of the
+// peer's accept (throws as connect() says). Awaited in place, not moved.
+class cm_id::connect_awaitable : public cm_id::step_wait {
+public:
+    std::vector<std::byte> await_resume() { return take_result(); }
+
+private:
+    friend class cm_id;
+    using step_wait::step_wait;
+};
+
+// cm_id::accept_awaitable: returned by accept(); co_await gives the next connection request as
+// a new cm_id (throws as accept() says). Awaited in place, not moved.
+class cm_id::accept_awaitable : detail::cm_accept_waiter {
+public:
+    accept_awaitable(const accept_awaitable&) = delete;
+    accept_awaitable& operator=(const accept_awaitable&) = delete;
+    bool await_ready() noexcept {
+        if (!state_->backlog.empty()) {
+            taken = std::move(state_->backlog.front().id);
+            state_->backlog.pop_front();
+            return true;
+        }
+        return state_->closed || state_->error != 0;
+    }
+    void await_suspend(std::coroutine_handle<> h) {
+        state_->accept_waiters.push_back(this);
+        start(*state_->channel->ctx, options_, h, &state_->accept_waiters,
+              &detail::waiter_queue::detach);
+    }
+    cm_id await_resume() {
+        int err = decided() ? error() : 0;
+        if (!taken) {
+            if (err == 0) err = state_->closed ? ECANCELED : state_->error;
+            throw_system_error(err, "cm_id::accept");
+        }
+        return cm_id(std::move(taken));
+    }
+
+private:
+    friend class cm_id;
+    accept_awaitable(detail::cm_id_state* state, wait_options options) noexcept
+        : state_(state), options_(std::move(options)) {}
+
+    detail::cm_id_state* state_;
+    wait_options options_;
+};
+
+// cm_id::disconnect_awaitable: returned by disconnect() and disconnected(); co_await ends when
+// the connection is gone (gives nothing; throws as each call says). Awaited in place, not
+// moved.
+class cm_id::disconnect_awaitable : detail::waiter {
+public:
+    disconnect_awaitable(const disconnect_awaitable&) = delete;
+    disconnect_awaitable& operator=(const disconnect_awaitable&) = delete;
+    bool await_ready() {
+        if (state_->disconnected || state_->closed || state_->error != 0) return true;
+        if (initiate_) start_disconnect(*state_);
+        return state_->disconnected;
+    }
+    void await_suspend(std::coroutine_handle<> h) {
+        state_->disconnect_waiters.push_back(this);
+        start(*state_->channel->ctx, options_, h, &state_->disconnect_waiters,
+              &detail::waiter_queue::detach);
+    }
+    void await_resume() {
+        // Decided: fulfilled (0: the DISCONNECTED event) or failed; *state_ is not read, since
+        // a coroutine resumed before this one may have destroyed the id. Not decided: it was
+        // ready at once and *state_ is alive.
+        const int err = decided()                ? error()
+                        : state_->disconnected   ? 0
+                        : state_->closed         ? ECANCELED
+                                                 : state_->error;
+        if (err != 0) throw_system_error(err, initiate_ ? "rdma_disconnect" : "cm_id::disconnected");
+    }
+
+private:
+    friend class cm_id;
+    disconnect_awaitable(detail::cm_id_state* state, bool initiate, wait_options options) noexcept
+        : state_(state), initiate_(initiate), options_(std::move(options)) {}
+
+    detail::cm_id_state* state_;
+    bool initiate_; // disconnect(): calls rdma_disconnect first
+    wait_options options_;
+};
+
+inline cm_id::accept_awaitable cm_id::accept(wait_options options) noexcept {
+    return {state_.get(), std::move(options)};
 }
-inline auto cm_id::resolve_addr(const sockaddr* dst, wait_options options) noexcept {
-    return void_step_awaiter{state_.get(), step::resolve_addr, dst, {}, {}, std::move(options)};
+inline cm_id::step_awaitable cm_id::resolve_addr(const sockaddr* dst, wait_options options) noexcept {
+    return {state_.get(), step::resolve_addr, dst, {}, {}, std::move(options)};
 }
-inline auto cm_id::resolve_route(wait_options options) noexcept {
-    return void_step_awaiter{state_.get(), step::resolve_route, nullptr, {}, {}, std::move(options)};
+inline cm_id::step_awaitable cm_id::resolve_route(wait_options options) noexcept {
+    return {state_.get(), step::resolve_route, nullptr, {}, {}, std::move(options)};
 }
-inline auto cm_id::connect(std::span<const std::byte> data, wait_options options,
-                           cm_conn_options conn) noexcept {
-    return data_step_awaiter{state_.get(), step::connect, nullptr, data, conn, std::move(options)};
+inline cm_id::connect_awaitable cm_id::connect(std::span<const std::byte> data,
+                                               wait_options options, cm_conn_options conn) noexcept {
+    return {state_.get(), step::connect, nullptr, data, conn, std::move(options)};
 }
-inline auto cm_id::accept_connection(std::span<const std::byte> data, wait_options options,
-                                     cm_conn_options conn) noexcept {
-    return void_step_awaiter{state_.get(), step::accept, nullptr, data, conn, std::move(options)};
+inline cm_id::step_awaitable cm_id::accept_connection(std::span<const std::byte> data,
+                                                      wait_options options,
+                                                      cm_conn_options conn) noexcept {
+    return {state_.get(), step::accept_connection, nullptr, data, conn, std::move(options)};
 }
-inline auto cm_id::disconnect(wait_options options) noexcept {
-    return disc_awaiter{state_.get(), true, std::move(options)};
+inline cm_id::disconnect_awaitable cm_id::disconnect(wait_options options) noexcept {
+    return {state_.get(), true, std::move(options)};
 }
-inline auto cm_id::disconnected(wait_options options) noexcept {
-    return disc_awaiter{state_.get(), false, std::move(options)};
+inline cm_id::disconnect_awaitable cm_id::disconnected(wait_options options) noexcept {
+    return {state_.get(), false, std::move(options)};
 }
 
 } // namespace ringverbs

@@ -6,8 +6,10 @@
 
 #include <ringverbs/config.hpp>
 
-#include <ringverbs/rdma/detail/rdma_state.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/channel_options.hpp>
+#include <ringverbs/rdma/counters.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
 #include <ringverbs/verbs/context.hpp>
 
 #include <chrono>
@@ -15,27 +17,6 @@
 #include <memory>
 
 namespace ringverbs {
-
-struct channel_options {
-    // When several channels of one io_context have completions in the same loop turn, the
-    // coroutines of the higher priority resume first.
-    int priority = 0;
-    polling_mode mode = polling_mode::events;
-    // hybrid: how long to keep polling after the last completion before arming and sleeping.
-    std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
-    // Events are acked per CQ once this many are unacked (ibv_ack_cq_events takes a mutex),
-    // and always all of them before the CQ is destroyed.
-    std::uint32_t ack_batch = 64;
-    // Completions fetched per ibv_poll_cq call.
-    unsigned poll_batch = 32;
-    // hybrid, adaptive spin: when longer than hybrid_spin, the window adapts between the two.
-    // A completion that wakes the channel within hybrid_spin_max of the one before (the peer
-    // answered just after the window closed: each round trip would cost a sleep and a
-    // wakeup) widens the window to twice that gap, at most hybrid_spin_max; a gap longer than
-    // hybrid_spin_max (idle) sets it back to hybrid_spin. So CPU is spent only while the
-    // traffic comes back within hybrid_spin_max. 0 (default): the window is hybrid_spin.
-    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
-};
 
 class cq;
 

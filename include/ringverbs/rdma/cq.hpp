@@ -45,16 +45,19 @@ public:
     cq(const cq&) = delete;
     cq& operator=(const cq&) = delete;
 
+    class next_awaitable;
+    class batch_awaitable;
+
     // co_await cq.next(): the next completion, without suspending when one is ready. A failed
     // completion is returned as it is (check wc.status): next() does not know who posted it.
     // Errors: std::system_error "cq::next" with timed_out, operation_canceled (stop_token, or
     // the cq was destroyed), the errno of a failed channel, or EOVERFLOW ("cq::next:
     // IBV_EVENT_CQ_ERR") once the CQ overran (reported by device_events).
-    auto next(wait_options options = {}) noexcept;
+    next_awaitable next(wait_options options = {}) noexcept;
 
     // co_await cq.next_batch(out): one or more completions (up to out.size()), waiting for the
     // first one like next(). Returns how many were written to `out`.
-    auto next_batch(std::span<ibv_wc> out, wait_options options = {}) noexcept;
+    batch_awaitable next_batch(std::span<ibv_wc> out, wait_options options = {}) noexcept;
 
     const cq_counters& counters() const noexcept { return state_->counters; }
     int comp_vector() const noexcept { return state_->cq.comp_vector(); }
@@ -66,57 +69,55 @@ public:
 
 private:
     friend class qp;
-    friend struct detail::cq_state;
 
-    struct batch_awaiter : detail::waiter {
-        detail::cq_state* s;
-        ibv_wc* out;
-        std::size_t capacity;
-        std::size_t n = 0;
-        wait_options options;
-
-        batch_awaiter(detail::cq_state* st, ibv_wc* o, std::size_t cap, wait_options opts) noexcept
-            : s(st), out(o), capacity(cap), options(std::move(opts)) {}
+    // What next() and next_batch() share: waits until completions are buffered for next()
+    // consumers, then takes up to `capacity` of them.
+    class completion_wait : detail::completion_waiter {
+    public:
+        completion_wait(const completion_wait&) = delete;
+        completion_wait& operator=(const completion_wait&) = delete;
         bool await_ready() noexcept {
-            while (n < capacity && s->pop(out[n])) ++n;
-            return n > 0 || s->closed || s->error != 0 || (s->channel && s->channel->error != 0);
+            while (taken < capacity && state_->pop(out[taken])) ++taken;
+            return taken > 0 || state_->closed || state_->error != 0 ||
+                   (state_->channel && state_->channel->error != 0);
         }
         void await_suspend(std::coroutine_handle<> h) {
-            s->waiters.push_back(this);
-            start(*s->channel->ctx, options, h, s, &cq::detach);
+            state_->waiters.push_back(this);
+            start(*state_->channel->ctx, options_, h, state_, &cq::detach);
         }
+
+    protected:
+        completion_wait(detail::cq_state* state, ibv_wc* out, std::size_t capacity,
+                        wait_options options) noexcept
+            : state_(state), options_(std::move(options)) {
+            this->out = out;
+            this->capacity = capacity;
+        }
+        // How many completions were written to out; throws when the wait failed.
         std::size_t take() {
             // Decided (the source fulfilled or failed it, or the deadline or stop came): the
-            // outcome is in this object, and *s is not touched any more, because the cq may
-            // have been destroyed by a coroutine that resumed before this one.
+            // outcome is in this object, and *state_ is not touched any more, because the cq
+            // may have been destroyed by a coroutine that resumed before this one.
             if (decided()) {
                 const int err = error();
                 if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
                 if (err != 0) throw_system_error(err, "cq::next");
-                return n;
+                return taken;
             }
-            // Ready at once (await_ready), without suspending: *s is alive.
-            if (n == 0) {
-                const int err = s->closed ? ECANCELED : s->error != 0 ? s->error : s->channel->error;
+            // Ready at once (await_ready), without suspending: *state_ is alive.
+            if (taken == 0) {
+                const int err = state_->closed ? ECANCELED
+                                : state_->error != 0 ? state_->error
+                                                     : state_->channel->error;
                 if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
                 throw_system_error(err, "cq::next");
             }
-            return n;
+            return taken;
         }
-    };
-    struct next_awaiter : batch_awaiter {
-        ibv_wc wc{};
-        next_awaiter(detail::cq_state* st, wait_options opts) noexcept
-            : batch_awaiter(st, &wc, 1, std::move(opts)) {}
-        next_awaiter(const next_awaiter&) = delete;
-        ibv_wc await_resume() {
-            take();
-            return wc;
-        }
-    };
-    struct many_awaiter : batch_awaiter {
-        using batch_awaiter::batch_awaiter;
-        std::size_t await_resume() { return take(); }
+
+    private:
+        detail::cq_state* state_;
+        wait_options options_;
     };
 
     static void detach(void* source, detail::waiter* w) noexcept;
@@ -124,12 +125,39 @@ private:
     std::shared_ptr<detail::cq_state> state_;
 };
 
-inline auto cq::next(wait_options options) noexcept {
-    return next_awaiter{state_.get(), std::move(options)};
+// cq::next_awaitable: returned by cq::next(); co_await gives the next ibv_wc (see next()).
+// Awaited in place, not moved.
+class cq::next_awaitable : public cq::completion_wait {
+public:
+    ibv_wc await_resume() {
+        take();
+        return wc_;
+    }
+
+private:
+    friend class cq;
+    next_awaitable(detail::cq_state* state, wait_options options) noexcept
+        : completion_wait(state, &wc_, 1, std::move(options)) {}
+    ibv_wc wc_{};
+};
+
+// cq::batch_awaitable: returned by cq::next_batch(); co_await gives how many completions were
+// written to the span (at least one; see next_batch()). Awaited in place, not moved.
+class cq::batch_awaitable : public cq::completion_wait {
+public:
+    std::size_t await_resume() { return take(); }
+
+private:
+    friend class cq;
+    using completion_wait::completion_wait;
+};
+
+inline cq::next_awaitable cq::next(wait_options options) noexcept {
+    return {state_.get(), std::move(options)};
 }
 
-inline auto cq::next_batch(std::span<ibv_wc> out, wait_options options) noexcept {
-    return many_awaiter{state_.get(), out.data(), out.size(), std::move(options)};
+inline cq::batch_awaitable cq::next_batch(std::span<ibv_wc> out, wait_options options) noexcept {
+    return {state_.get(), out.data(), out.size(), std::move(options)};
 }
 
 } // namespace ringverbs

@@ -67,10 +67,12 @@ public:
     device_events(const device_events&) = delete;
     device_events& operator=(const device_events&) = delete;
 
+    class next_awaitable;
+
     // co_await events.next(): the next async event, without suspending when one is queued.
     // Errors: std::system_error "device_events::next" with timed_out, operation_canceled, or
     // the errno of a failed watch.
-    auto next(wait_options options = {}) noexcept;
+    next_awaitable next(wait_options options = {}) noexcept;
 
     const device_events_counters& counters() const noexcept { return state_->counters; }
     // Events read and not yet taken by next().
@@ -92,38 +94,51 @@ private:
         void fail(int err) noexcept;
     };
 
-    struct next_awaiter : detail::waiter {
-        state* s;
-        wait_options options;
-        async_event event;
-        bool has = false; // `event` is set (taken from the queue, or handed over by drain())
-        next_awaiter(state* st, wait_options o) noexcept : s(st), options(std::move(o)) {}
-        next_awaiter(const next_awaiter&) = delete;
-        bool await_ready() noexcept {
-            if (!s->queue.empty()) {
-                event = s->queue.front();
-                s->queue.pop_front();
-                has = true;
-            }
-            return has || s->closed || s->error != 0;
-        }
-        void await_suspend(std::coroutine_handle<> h) {
-            s->waiters.push_back(this);
-            start(*s->ctx, options, h, &s->waiters, &detail::waiter_queue::detach);
-        }
-        async_event await_resume() {
-            int err = decided() ? error() : 0;
-            if (!has) throw_system_error(err != 0 ? err : s->closed ? ECANCELED : s->error, "device_events::next");
-            return event;
-        }
-    };
-
+    using next_awaiter = next_awaitable; // drain() hands events to it
 
     std::unique_ptr<state> state_;
 };
 
-inline auto device_events::next(wait_options options) noexcept {
-    return next_awaiter{state_.get(), std::move(options)};
+// device_events::next_awaitable: returned by device_events::next(); co_await gives the next
+// async_event (see next()). Awaited in place, not moved.
+class device_events::next_awaitable : detail::waiter {
+public:
+    next_awaitable(const next_awaitable&) = delete;
+    next_awaitable& operator=(const next_awaitable&) = delete;
+    bool await_ready() noexcept {
+        if (!state_->queue.empty()) {
+            event = state_->queue.front();
+            state_->queue.pop_front();
+            has = true;
+        }
+        return has || state_->closed || state_->error != 0;
+    }
+    void await_suspend(std::coroutine_handle<> h) {
+        state_->waiters.push_back(this);
+        start(*state_->ctx, options_, h, &state_->waiters, &detail::waiter_queue::detach);
+    }
+    async_event await_resume() {
+        const int err = decided() ? error() : 0;
+        if (!has)
+            throw_system_error(err != 0 ? err : state_->closed ? ECANCELED : state_->error,
+                               "device_events::next");
+        return event;
+    }
+
+private:
+    friend class device_events;
+    friend struct device_events::state; // drain() hands an event over: `event`, `has`
+    next_awaitable(state* s, wait_options options) noexcept
+        : state_(s), options_(std::move(options)) {}
+
+    state* state_;
+    wait_options options_;
+    async_event event;
+    bool has = false; // `event` is set (taken from the queue, or handed over by drain())
+};
+
+inline device_events::next_awaitable device_events::next(wait_options options) noexcept {
+    return {state_.get(), std::move(options)};
 }
 
 } // namespace ringverbs

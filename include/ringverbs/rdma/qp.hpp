@@ -110,87 +110,8 @@ struct wr_request {
     bool signaled = true; // send_options::signaled
 };
 
-// The awaiter of one posted request or chain. Lives in the awaiting coroutine's frame; its
-// address is the requests' wr_id (tagged), so a completion resumes exactly this coroutine,
-// with no allocation and no lookup.
-//
-// Invariants:
-// - It is resumed only after the completion of the chain's last request arrived (the QP
-//   processes its queues in order, so that completion is the last one the chain produces) and
-//   its timer, if any, delivered its CQE. No buffer of the request is written after.
-// - A stop request or timeout cannot recall a posted request: it moves the QP to the error
-//   state, which flushes every outstanding request of the QP (IBV_WC_WR_FLUSH_ERR); the
-//   awaiter then resumes on its flush completion with operation_canceled / timed_out.
-class wr_awaiter : wr_op, wait_core {
-public:
-    enum class kind { send, recv };
-
-    wr_awaiter(qp_state* qp, kind k, const char* name, const wr_request& r,
-               wait_options options) noexcept;
-    // Made in place (a prvalue) and never moved: the wr_id is its address.
-    wr_awaiter(const wr_awaiter&) = delete;
-    wr_awaiter& operator=(const wr_awaiter&) = delete;
-    // A request posted with post() must be awaited before the awaiter goes; if it is not,
-    // the destructor resets the QP without waiting (no completion can name the awaiter
-    // after that; the QP's other owed requests end with a made-up IBV_WC_WR_FLUSH_ERR) and
-    // says so on stderr. Connect the QP again to reuse it.
-    ~wr_awaiter();
-
-    // Posts the request now instead of at co_await (pre-posting receives, pipelining):
-    //   auto r = q.recv(buf); r.post(); ...; ibv_wc wc = co_await r;
-    // Throws std::system_error naming the verb (ENOMEM: queue full). The timeout and the
-    // stop_token start counting at co_await.
-    void post();
-
-    // May throw: an unsignaled request is posted here (it is done once posted, so the
-    // coroutine does not suspend).
-    bool await_ready() {
-        if (cancelled_early_) return true;
-        if (!posted_) {
-            if (options_.stop.stop_requested() || ctx_->shutting_down()) {
-                cancelled_early_ = true;
-                return true;
-            }
-            if (!signaled_) post();
-        }
-        return posted_ && done_;
-    }
-    void await_suspend(std::coroutine_handle<> h);
-    ibv_wc await_resume();
-
-private:
-    static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
-    // The deadline or the stop while the request is owed: a posted request cannot be
-    // recalled, so the QP goes to the error state and the flush decides the wait.
-    static bool interrupted_by(wait_core* core, int reason) noexcept;
-    void abandon() noexcept;
-    bool post_unsignaled();
-
-    // The qp's state is alive while this request is owed a completion (a destroyed qp keeps
-    // its state until then); once done_, only ctx_ is touched, never qp_.
-    qp_state* qp_;
-    io_context* ctx_;
-    kind kind_;
-    ibv_send_wr send_wr_{};
-    ibv_recv_wr recv_wr_{};
-    ibv_sge sge_{};
-    ibv_send_wr* send_chain_ = nullptr;
-    ibv_recv_wr* recv_chain_ = nullptr;
-    std::span<ibv_wc> each_;
-    const char* name_;
-    wait_options options_;
-    ibv_wc result_{};
-    ibv_wc first_error_{};
-    std::size_t seen_ = 0;
-    bool failed_ = false;          // a completion of the chain failed (first_error_)
-    bool done_ = false;            // the chain's last completion came (result_)
-    bool cancelled_early_ = false; // stopped before it was posted: nothing owed
-    bool abandoned_ = false;       // its awaiter gives up on it (abandon())
-    bool posted_ = false;
-    bool signaled_ = true;
-};
-
 } // namespace detail
+
 
 // Owns an RC queue pair whose send and receive completions go to two cqs (which may be the
 // same). Connect it with the verbs-level calls on native_qp() (to_init/to_rtr/to_rts) or
@@ -210,6 +131,9 @@ private:
 // resumed. Destroy before the io_context, on its thread.
 class qp {
 public:
+    class request;
+    class close_awaitable;
+
     // Throws std::system_error naming ibv_create_qp, or EINVAL when the CQs would be
     // overcommitted (see qp_options::allow_cq_overcommit).
     qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {},
@@ -248,31 +172,31 @@ public:
 
     // SEND (with immediate data, inline, solicited, unsignaled per `o`). Gives the completion
     // (for an unsignaled send: made up at post, see send_options::signaled).
-    detail::wr_awaiter send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
+    request send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
     // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags).
-    detail::wr_awaiter recv(local_buffer into, wait_options w = {}) noexcept;
+    request recv(local_buffer into, wait_options w = {}) noexcept;
     // RDMA WRITE of `data` to `to` (with immediate data, unsignaled per `o`).
-    detail::wr_awaiter write(local_buffer data, remote_buffer to, send_options o = {},
+    request write(local_buffer data, remote_buffer to, send_options o = {},
                              wait_options w = {}) noexcept;
     // RDMA READ of `from` into `into`.
-    detail::wr_awaiter read(local_buffer into, remote_buffer from, wait_options w = {}) noexcept;
+    request read(local_buffer into, remote_buffer from, wait_options w = {}) noexcept;
     // Atomic compare-and-swap of the 8 bytes at `at`; the old value lands in `old_value`
     // (8 bytes, registered).
-    detail::wr_awaiter compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
+    request compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
                                     std::uint64_t swap, wait_options w = {}) noexcept;
     // Atomic fetch-and-add on the 8 bytes at `at`; the old value lands in `old_value`.
-    detail::wr_awaiter fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
+    request fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
                                  wait_options w = {}) noexcept;
 
     // Posts a chain of send requests in one ibv_post_send and awaits them together: the await
     // ends with the completion of the last one (which is made signaled); earlier ones may be
     // unsignaled (selective signaling). Their wr_ids are overwritten. Completions of the chain
     // are copied to `each` (in order, as many as fit) when given. The first failure throws.
-    detail::wr_awaiter post_send(ibv_send_wr& chain, std::span<ibv_wc> each = {},
+    request post_send(ibv_send_wr& chain, std::span<ibv_wc> each = {},
                                  wait_options w = {}) noexcept;
     // The same for a chain of receives in one ibv_post_recv: ends with the last one's
     // completion; every receive produces one, copied to `each`.
-    detail::wr_awaiter post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each = {},
+    request post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each = {},
                                  wait_options w = {}) noexcept;
 
     // co_await q.close(): the graceful, awaited end. With requests owed, moves the QP to the
@@ -280,33 +204,129 @@ public:
     // bounded flush); then destroying the qp leaves nothing behind. Returns at once when
     // nothing is owed. Throws std::system_error "qp::close" with timed_out or
     // operation_canceled per `w` (the requests still end later, as after ~qp).
-    auto close(wait_options w = {}) noexcept;
+    close_awaitable close(wait_options w = {}) noexcept;
 
 private:
-    struct close_awaiter : detail::waiter {
-        detail::qp_state* s;
-        wait_options options;
-        close_awaiter(detail::qp_state* st, wait_options o) noexcept : s(st), options(std::move(o)) {}
-        close_awaiter(const close_awaiter&) = delete;
-        bool await_ready() noexcept {
-            if (s->pending_count == 0) return true;
-            s->to_error();
-            return s->pending_count == 0;
-        }
-        void await_suspend(std::coroutine_handle<> h) {
-            s->close_waiters.push_back(this);
-            start(*s->ctx, options, h, &s->close_waiters, &detail::waiter_queue::detach);
-        }
-        // Decided or not, *s is not read: the qp may be gone by now.
-        void await_resume() {
-            const int err = decided() ? error() : 0;
-            if (err != 0) throw_system_error(err, "qp::close");
-        }
-    };
 
     std::shared_ptr<detail::qp_state> state_;
 };
 
-inline auto qp::close(wait_options w) noexcept { return close_awaiter{state_.get(), std::move(w)}; }
+// qp::request: one posted work request (or chain), returned by qp::send, recv, write, read,
+// compare_swap, fetch_add, post_send and post_recv. `co_await` it (it is posted then, unless
+// post() did it before) and it gives the request's ibv_wc; a failed completion throws
+// completion_error, a timeout or stop std::system_error (timed_out / operation_canceled), a
+// post failure std::system_error naming the verb. Lives in the awaiting coroutine's frame; its
+// address is the requests' wr_id (tagged), so a completion resumes exactly this coroutine,
+// with no allocation and no lookup.
+//
+// Invariants:
+// - It is resumed only after the completion of the chain's last request arrived (the QP
+//   processes its queues in order, so that completion is the last one the chain produces) and
+//   its timer, if any, delivered its CQE. No buffer of the request is written after.
+// - A stop request or timeout cannot recall a posted request: it moves the QP to the error
+//   state, which flushes every outstanding request of the QP (IBV_WC_WR_FLUSH_ERR); the
+//   awaiter then resumes on its flush completion with operation_canceled / timed_out.
+class qp::request : detail::wr_op, detail::wait_core {
+public:
+    // Made in place (a prvalue) and never moved: the wr_id is its address.
+    request(const request&) = delete;
+    request& operator=(const request&) = delete;
+    // A request posted with post() must be awaited before the awaiter goes; if it is not,
+    // the destructor resets the QP without waiting (no completion can name the awaiter
+    // after that; the QP's other owed requests end with a made-up IBV_WC_WR_FLUSH_ERR) and
+    // says so on stderr. Connect the QP again to reuse it.
+    ~request();
+
+    // Posts the request now instead of at co_await (pre-posting receives, pipelining):
+    //   auto r = q.recv(buf); r.post(); ...; ibv_wc wc = co_await r;
+    // Throws std::system_error naming the verb (ENOMEM: queue full). The timeout and the
+    // stop_token start counting at co_await.
+    void post();
+
+    // May throw: an unsignaled request is posted here (it is done once posted, so the
+    // coroutine does not suspend).
+    bool await_ready() {
+        if (cancelled_early_) return true;
+        if (!posted_) {
+            if (options_.stop.stop_requested() || ctx_->shutting_down()) {
+                cancelled_early_ = true;
+                return true;
+            }
+            if (!signaled_) post();
+        }
+        return posted_ && done_;
+    }
+    void await_suspend(std::coroutine_handle<> h);
+    ibv_wc await_resume();
+
+private:
+    friend class qp;
+    enum class kind { send, recv };
+
+    request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
+            wait_options options) noexcept;
+
+    static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
+    // The deadline or the stop while the request is owed: a posted request cannot be
+    // recalled, so the QP goes to the error state and the flush decides the wait.
+    static bool interrupted_by(wait_core* core, int reason) noexcept;
+    void abandon() noexcept;
+    bool post_unsignaled();
+
+    // The qp's state is alive while this request is owed a completion (a destroyed qp keeps
+    // its state until then); once done_, only ctx_ is touched, never qp_.
+    detail::qp_state* qp_;
+    io_context* ctx_;
+    kind kind_;
+    ibv_send_wr send_wr_{};
+    ibv_recv_wr recv_wr_{};
+    ibv_sge sge_{};
+    ibv_send_wr* send_chain_ = nullptr;
+    ibv_recv_wr* recv_chain_ = nullptr;
+    std::span<ibv_wc> each_;
+    const char* name_;
+    wait_options options_;
+    ibv_wc result_{};
+    ibv_wc first_error_{};
+    std::size_t seen_ = 0;
+    bool failed_ = false;          // a completion of the chain failed (first_error_)
+    bool done_ = false;            // the chain's last completion came (result_)
+    bool cancelled_early_ = false; // stopped before it was posted: nothing owed
+    bool abandoned_ = false;       // its awaiter gives up on it (abandon())
+    bool posted_ = false;
+    bool signaled_ = true;
+};
+
+// qp::close_awaitable: returned by qp::close(); co_await it (gives nothing, throws as close()
+// says). Awaited in place, not moved.
+class qp::close_awaitable : detail::waiter {
+public:
+    close_awaitable(const close_awaitable&) = delete;
+    close_awaitable& operator=(const close_awaitable&) = delete;
+    bool await_ready() noexcept {
+        if (state_->pending_count == 0) return true;
+        state_->to_error();
+        return state_->pending_count == 0;
+    }
+    void await_suspend(std::coroutine_handle<> h) {
+        state_->close_waiters.push_back(this);
+        start(*state_->ctx, options_, h, &state_->close_waiters, &detail::waiter_queue::detach);
+    }
+    // Decided or not, *state_ is not read: the qp may be gone by now.
+    void await_resume() {
+        const int err = decided() ? error() : 0;
+        if (err != 0) throw_system_error(err, "qp::close");
+    }
+
+private:
+    friend class qp;
+    close_awaitable(detail::qp_state* state, wait_options options) noexcept
+    : state_(state), options_(std::move(options)) {}
+
+    detail::qp_state* state_;
+    wait_options options_;
+};
+
+inline qp::close_awaitable qp::close(wait_options w) noexcept { return {state_.get(), std::move(w)}; }
 
 } // namespace ringverbs

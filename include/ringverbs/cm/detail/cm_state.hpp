@@ -44,6 +44,11 @@ struct cm_step_waiter : waiter {
     std::optional<cm_event_data> result;
 };
 
+// The waiter of cm_id::accept(): the channel hands it the new id's state before fulfil(0).
+struct cm_accept_waiter : waiter {
+    std::shared_ptr<cm_id_state> taken;
+};
+
 struct cm_channel_state {
     io_context* ctx;
     std::shared_ptr<rdma_event_channel> channel;
@@ -79,7 +84,7 @@ struct cm_id_state {
     std::deque<request> backlog;
     waiter_queue accept_waiters;
     // disconnect() / disconnected() waiters; `disconnected` is sticky.
-    waiter_queue disc_waiters;
+    waiter_queue disconnect_waiters;
     bool disconnected = false;
     bool disconnect_sent = false; // rdma_disconnect was called (by us, or answering the peer)
     bool connected = false;

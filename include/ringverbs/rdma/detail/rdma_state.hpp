@@ -9,6 +9,8 @@
 #include <ringverbs/engine/detail/operation.hpp>
 #include <ringverbs/engine/detail/waiter.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/channel_options.hpp>
+#include <ringverbs/rdma/counters.hpp>
 #include <ringverbs/verbs/completion_channel.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>
 #include <ringverbs/verbs/context.hpp>
@@ -23,55 +25,7 @@
 #include <optional>
 #include <vector>
 
-namespace ringverbs {
-
-// How a channel learns that its CQs have completions.
-enum class polling_mode {
-    events, // arm the CQs and sleep until the channel's fd turns readable: no CPU when idle
-    busy,   // poll every CQ every loop turn, never arm: lowest latency, one core spinning
-    hybrid, // after a completion keep polling for channel_options::hybrid_spin (adaptive up to
-            // hybrid_spin_max), then arm and sleep
-};
-
-struct channel_counters {
-    std::uint64_t wakeups = 0;     // times the channel's fd was reported readable
-    std::uint64_t events = 0;      // CQ events read with ibv_get_cq_event
-    std::uint64_t acks = 0;        // ibv_ack_cq_events calls
-    std::uint64_t arms = 0;        // ibv_req_notify_cq calls
-    std::uint64_t polls = 0;       // ibv_poll_cq calls
-    std::uint64_t empty_polls = 0; // ibv_poll_cq calls that found nothing
-    std::uint64_t completions = 0; // work completions polled
-    std::uint64_t arm_retries = 0; // ibv_req_notify_cq failed for a while: armed again later
-};
-
-struct cq_counters {
-    std::uint64_t events = 0;
-    std::uint64_t acks = 0;         // ibv_ack_cq_events calls
-    std::uint64_t acked_events = 0; // events acked by those calls
-    std::uint64_t arms = 0;
-    std::uint64_t polls = 0;
-    std::uint64_t empty_polls = 0;
-    std::uint64_t completions = 0;
-};
-
-// What became of a qp's unsignaled sends and writes (send_options::signaled = false).
-struct qp_counters {
-    // Posted without a completion to wait for: their awaits ended right after posting.
-    std::uint64_t unsignaled = 0;
-    // Of those, posted signaled all the same (one in signal_interval(), so that the send queue
-    // slots of the ones before are freed); the qp consumes their completions itself.
-    std::uint64_t forced_signaled = 0;
-    // Asked to be unsignaled but posted signaled and awaited like any other request, because
-    // too many unsignaled ones were not yet confirmed by a completion (back pressure).
-    std::uint64_t throttled = 0;
-    // Completions with IBV_WC_WR_FLUSH_ERR of unsignaled or forced-signaled requests (the QP
-    // went to the error state while they were outstanding).
-    std::uint64_t flushed = 0;
-    // Completions with any other error status of unsignaled or forced-signaled requests.
-    std::uint64_t failed = 0;
-};
-
-namespace detail {
+namespace ringverbs::detail {
 
 struct qp_state;
 struct cq_state;
@@ -91,15 +45,6 @@ inline std::uint64_t wr_id_for(wr_op* op, bool last) noexcept {
     return reinterpret_cast<std::uintptr_t>(op) | wr_tag_ours | (last ? wr_tag_last : 0);
 }
 
-struct channel_options_data {
-    int priority = 0;
-    polling_mode mode = polling_mode::events;
-    std::chrono::nanoseconds hybrid_spin = std::chrono::microseconds(50);
-    std::uint32_t ack_batch = 64;
-    unsigned poll_batch = 32;
-    std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
-};
-
 struct channel_state {
     struct service_poller : poller {
         channel_state* owner;
@@ -110,7 +55,7 @@ struct channel_state {
     // A share of the device: the channel's CQs are made on it, whatever became of the
     // verbs::context the channel was made from (a temporary, a moved-from object).
     verbs::context device;
-    channel_options_data options;
+    channel_options options;
     channel_counters counters;
     fd_watch* watch = nullptr; // the multishot poll on the channel's fd
     service_poller service;
@@ -128,7 +73,7 @@ struct channel_state {
     int error = 0;           // a failure of the fd poll: the channel is dead
     bool rearm_due = false;  // a CQ's arming failed for a while: arm it on the next pass
 
-    channel_state(io_context& c, const verbs::context& dev, channel_options_data o);
+    channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
     ~channel_state();
     channel_state(const channel_state&) = delete;
     channel_state& operator=(const channel_state&) = delete;
@@ -138,6 +83,14 @@ struct channel_state {
     void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
     void fail(int err) noexcept;
+};
+
+// A cq::next() / next_batch() waiter, as the cq's state sees it: completions go to
+// out[taken .. capacity).
+struct completion_waiter : waiter {
+    ibv_wc* out = nullptr;
+    std::size_t capacity = 0;
+    std::size_t taken = 0;
 };
 
 struct cq_state {
@@ -156,11 +109,11 @@ struct cq_state {
     bool closed = false; // the user's cq handle is gone: next() consumers are no more
     int error = 0; // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     cq_counters counters;
-    waiter_queue waiters;
+    waiter_queue waiters; // of completion_waiter
     // A next_batch() waiter fulfilled during the current poll with room left: the poll's
     // further completions go to it too. It cannot have resumed yet (coroutines resume after
     // the poll); drain_cq clears this at its end, before it could.
-    waiter* filling = nullptr;
+    completion_waiter* filling = nullptr;
     // Completions nobody waits for yet, for next(). A ring with the CQ's capacity, grown
     // (allocation) only if consumers fall behind by more than that.
     std::vector<ibv_wc> buffer;
@@ -281,5 +234,4 @@ struct qp_state {
 inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
 
 
-} // namespace detail
-} // namespace ringverbs
+} // namespace ringverbs::detail

@@ -1,0 +1,49 @@
+// What a channel, a cq and a qp did so far: counts read with channel::counters(),
+// cq::counters() and qp::counters(), for tests, benchmarks and monitoring.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <cstdint>
+
+namespace ringverbs {
+
+struct channel_counters {
+    std::uint64_t wakeups = 0;     // times the channel's fd was reported readable
+    std::uint64_t events = 0;      // CQ events read with ibv_get_cq_event
+    std::uint64_t acks = 0;        // ibv_ack_cq_events calls
+    std::uint64_t arms = 0;        // ibv_req_notify_cq calls
+    std::uint64_t polls = 0;       // ibv_poll_cq calls
+    std::uint64_t empty_polls = 0; // ibv_poll_cq calls that found nothing
+    std::uint64_t completions = 0; // work completions polled
+    std::uint64_t arm_retries = 0; // ibv_req_notify_cq failed for a while: armed again later
+};
+
+struct cq_counters {
+    std::uint64_t events = 0;
+    std::uint64_t acks = 0;         // ibv_ack_cq_events calls
+    std::uint64_t acked_events = 0; // events acked by those calls
+    std::uint64_t arms = 0;
+    std::uint64_t polls = 0;
+    std::uint64_t empty_polls = 0;
+    std::uint64_t completions = 0;
+};
+
+// What became of a qp's unsignaled sends and writes (send_options::signaled = false).
+struct qp_counters {
+    // Posted without a completion to wait for: their awaits ended right after posting.
+    std::uint64_t unsignaled = 0;
+    // Of those, posted signaled all the same (one in signal_interval(), so that the send queue
+    // slots of the ones before are freed); the qp consumes their completions itself.
+    std::uint64_t forced_signaled = 0;
+    // Asked to be unsignaled but posted signaled and awaited like any other request, because
+    // too many unsignaled ones were not yet confirmed by a completion (back pressure).
+    std::uint64_t throttled = 0;
+    // Completions with IBV_WC_WR_FLUSH_ERR of unsignaled or forced-signaled requests (the QP
+    // went to the error state while they were outstanding).
+    std::uint64_t flushed = 0;
+    // Completions with any other error status of unsignaled or forced-signaled requests.
+    std::uint64_t failed = 0;
+};
+
+} // namespace ringverbs
