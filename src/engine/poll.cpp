@@ -29,7 +29,7 @@ void poll_stream::ready(void* owner, unsigned revents) noexcept {
     ++s->completions;
     s->pending |= revents;
     if (detail::waiter* w = s->waiters.pop_front()) {
-        static_cast<next_awaiter*>(w)->revents = std::exchange(s->pending, 0u);
+        static_cast<next_awaitable*>(w)->revents_ = std::exchange(s->pending, 0u);
         w->fulfil(0);
     }
 }

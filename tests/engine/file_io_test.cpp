@@ -7,18 +7,34 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <span>
 #include <stop_token>
 #include <string>
 #include <system_error>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace std::chrono_literals;
 using ringverbs::io_context;
 using ringverbs::task;
 using ringverbs::wait_options;
+
+// The public surface: read() and write() return named awaitables that only the library builds.
+static_assert(std::is_same_v<decltype(ringverbs::read(std::declval<io_context&>(), 0,
+                                                      std::span<std::byte>{})),
+                             ringverbs::read_awaitable>);
+static_assert(std::is_same_v<decltype(ringverbs::write(std::declval<io_context&>(), 0,
+                                                       std::span<const std::byte>{})),
+                             ringverbs::write_awaitable>);
+static_assert(!std::is_constructible_v<ringverbs::read_awaitable, io_context&,
+                                       ringverbs::detail::read_prep, wait_options>);
+static_assert(!std::is_constructible_v<ringverbs::write_awaitable, io_context&,
+                                       ringverbs::detail::write_prep, wait_options>);
 
 namespace {
 std::span<const std::byte> bytes(const std::string& s) {

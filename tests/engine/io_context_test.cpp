@@ -17,11 +17,20 @@
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace std::chrono_literals;
 using ringverbs::io_context;
 using ringverbs::task;
+
+// The public surface: schedule() returns a named awaitable that only the context builds; while
+// it waits it is a node of the context's cross-thread queue, so it stays in place.
+static_assert(std::is_same_v<decltype(std::declval<io_context&>().schedule()),
+                             io_context::schedule_awaitable>);
+static_assert(!std::is_constructible_v<io_context::schedule_awaitable, io_context*>);
+static_assert(!std::is_move_constructible_v<io_context::schedule_awaitable>);
 
 TEST_CASE("io_context reports what the kernel granted") {
     io_context ctx;

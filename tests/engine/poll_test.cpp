@@ -12,12 +12,24 @@
 #include <stop_token>
 #include <system_error>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace std::chrono_literals;
 using ringverbs::io_context;
 using ringverbs::task;
 using ringverbs::wait_options;
+
+// The public surface: poll() and poll_stream::next() return named awaitables that only the
+// library builds; a waiting next() is linked into the stream's queue, so it stays in place.
+static_assert(std::is_same_v<decltype(ringverbs::poll(std::declval<io_context&>(), 0, POLLIN)),
+                             ringverbs::poll_awaitable>);
+static_assert(!std::is_constructible_v<ringverbs::poll_awaitable, io_context&,
+                                       ringverbs::detail::poll_prep, wait_options>);
+static_assert(std::is_same_v<decltype(std::declval<ringverbs::poll_stream&>().next()),
+                             ringverbs::poll_stream::next_awaitable>);
+static_assert(!std::is_move_constructible_v<ringverbs::poll_stream::next_awaitable>);
 
 namespace {
 std::errc error_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }

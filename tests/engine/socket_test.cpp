@@ -11,14 +11,33 @@
 #include <sys/socket.h>
 
 #include <chrono>
+#include <cstddef>
+#include <span>
 #include <string>
 #include <system_error>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace std::chrono_literals;
 using ringverbs::io_context;
 using ringverbs::task;
 using ringverbs::wait_options;
+
+// The public surface: the socket calls return named awaitables that only the library builds.
+static_assert(std::is_same_v<decltype(ringverbs::accept(std::declval<io_context&>(), 0)),
+                             ringverbs::accept_awaitable>);
+static_assert(std::is_same_v<decltype(ringverbs::connect(std::declval<io_context&>(), 0, nullptr,
+                                                         socklen_t{})),
+                             ringverbs::connect_awaitable>);
+static_assert(std::is_same_v<decltype(ringverbs::recv(std::declval<io_context&>(), 0,
+                                                      std::span<std::byte>{})),
+                             ringverbs::recv_awaitable>);
+static_assert(std::is_same_v<decltype(ringverbs::send(std::declval<io_context&>(), 0,
+                                                      std::span<const std::byte>{})),
+                             ringverbs::send_awaitable>);
+static_assert(!std::is_constructible_v<ringverbs::recv_awaitable, io_context&,
+                                       ringverbs::detail::recv_prep, wait_options>);
 
 namespace {
 

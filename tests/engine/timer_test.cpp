@@ -8,10 +8,20 @@
 #include <stop_token>
 #include <system_error>
 #include <thread>
+#include <type_traits>
+#include <utility>
 
 using namespace std::chrono_literals;
 using ringverbs::io_context;
 using ringverbs::task;
+
+// The public surface: sleep_for() returns a named awaitable that only the library builds; the
+// kernel reads the timespec inside it, so it stays in place.
+static_assert(std::is_same_v<decltype(ringverbs::sleep_for(std::declval<io_context&>(), 1ms)),
+                             ringverbs::sleep_awaitable>);
+static_assert(!std::is_constructible_v<ringverbs::sleep_awaitable, io_context&,
+                                       std::chrono::nanoseconds, std::stop_token>);
+static_assert(!std::is_move_constructible_v<ringverbs::sleep_awaitable>);
 
 TEST_CASE("sleep_for resumes after at least the duration") {
     io_context ctx;

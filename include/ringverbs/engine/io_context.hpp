@@ -124,7 +124,8 @@ public:
 
     // co_await ctx.schedule(): continue on this context's thread. Callable from any thread;
     // no allocation (the awaiter is the queue node).
-    auto schedule() noexcept;
+    class schedule_awaitable;
+    schedule_awaitable schedule() noexcept;
 
     // Runs `fn` on this context's thread. Thread-safe. Allocates one node per call.
     void post(std::function<void()> fn);
@@ -345,24 +346,39 @@ T io_context::run(task<T> t) {
     return result.take();
 }
 
-inline auto io_context::schedule() noexcept {
-    struct awaiter : detail::remote_node {
-        io_context* ctx;
-        std::coroutine_handle<> h;
-        explicit awaiter(io_context* c) noexcept : ctx(c) {
-            run = [](detail::remote_node* n) noexcept {
-                auto* self = static_cast<awaiter*>(n);
-                self->ctx->ready(self->h);
-            };
-        }
-        bool await_ready() const noexcept { return false; }
-        void await_suspend(std::coroutine_handle<> caller) noexcept {
-            h = caller;
-            ctx->push_remote(this);
-        }
-        void await_resume() const noexcept {}
-    };
-    return awaiter{this};
+// The awaitable io_context::schedule() returns. `co_await` always suspends, queues the
+// coroutine to the context's thread (thread-safe, no allocation: the awaitable is the queue
+// node) and resumes it there; gives nothing and throws nothing. Await it once, in place:
+// while suspended the context's cross-thread queue links to it, so it is neither copyable nor
+// movable. The context must outlive the co_await.
+class [[nodiscard]] io_context::schedule_awaitable : detail::remote_node {
+public:
+    schedule_awaitable(const schedule_awaitable&) = delete;
+    schedule_awaitable& operator=(const schedule_awaitable&) = delete;
+
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> caller) noexcept {
+        h_ = caller;
+        ctx_->push_remote(this);
+    }
+    void await_resume() const noexcept {}
+
+private:
+    friend class io_context;
+
+    explicit schedule_awaitable(io_context* c) noexcept : ctx_(c) {
+        run = [](detail::remote_node* n) noexcept {
+            auto* self = static_cast<schedule_awaitable*>(n);
+            self->ctx_->ready(self->h_);
+        };
+    }
+
+    io_context* ctx_;
+    std::coroutine_handle<> h_;
+};
+
+inline io_context::schedule_awaitable io_context::schedule() noexcept {
+    return schedule_awaitable{this};
 }
 
 } // namespace ringverbs

@@ -24,11 +24,28 @@ struct poll_prep {
 };
 } // namespace detail
 
+// The awaitable poll() returns. `co_await` gives the revents, or throws std::system_error
+// "poll": the kernel's errno (e.g. EBADF), errc::timed_out, or errc::operation_canceled
+// (stop_token fired, or the io_context is being destroyed). Await it once. While awaited it
+// is the request's user_data and stays in the awaiting coroutine's frame until the kernel is
+// done with it, even when cancelled. Movable only before it is awaited.
+class [[nodiscard]] poll_awaitable : detail::io_awaiter<detail::poll_prep> {
+public:
+    using io_awaiter::await_ready;
+    using io_awaiter::await_resume;
+    using io_awaiter::await_suspend;
+
+private:
+    poll_awaitable(io_context& ctx, detail::poll_prep prep, wait_options options) noexcept
+        : io_awaiter(ctx, prep, std::move(options)) {}
+    friend poll_awaitable poll(io_context&, int, unsigned, wait_options) noexcept;
+};
+
 // co_await poll(ctx, fd, POLLIN): waits once until `fd` has one of `events` (poll(2) bits) and
 // gives the revents. Errors: std::system_error "poll" (timed_out, operation_canceled, or the
 // kernel's errno, e.g. EBADF). The fd must stay open until the co_await returns.
-inline detail::io_awaiter<detail::poll_prep> poll(io_context& ctx, int fd, unsigned events,
-                                                  wait_options options = {}) noexcept {
+inline poll_awaitable poll(io_context& ctx, int fd, unsigned events,
+                           wait_options options = {}) noexcept {
     return {ctx, detail::poll_prep{fd, events}, std::move(options)};
 }
 
@@ -55,7 +72,8 @@ public:
     // when none is pending (without suspending when one is). FIFO among several waiters.
     // Errors: std::system_error "poll_stream" with timed_out, operation_canceled, or the
     // error the kernel reported for the fd (after which the stream stays failed).
-    auto next(wait_options options = {}) noexcept;
+    class next_awaitable;
+    next_awaitable next(wait_options options = {}) noexcept;
 
     // How many times the kernel ended the multishot request and the stream re-armed it.
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
@@ -79,39 +97,51 @@ private:
     static void detach(void* source, detail::waiter* w) noexcept;
 
     std::unique_ptr<state> state_;
-
-    struct next_awaiter;
 };
 
-struct poll_stream::next_awaiter : detail::waiter {
-    poll_stream::state* s;
-    wait_options options;
-    unsigned revents = 0;
-
-    next_awaiter(poll_stream::state* st, wait_options o) noexcept : s(st), options(std::move(o)) {}
+// The awaitable poll_stream::next() returns. `co_await` gives the revents reported since the
+// last next() (at once, without suspending, when some are pending), or throws
+// std::system_error "poll_stream": errc::timed_out, errc::operation_canceled (stop_token
+// fired, or the stream or the io_context was destroyed meanwhile), or the kernel's error for
+// the fd. Await it once, in place: while suspended it is linked into the stream's queue of
+// waiters, so it is neither copyable nor movable. The stream may be destroyed while it waits.
+class [[nodiscard]] poll_stream::next_awaitable : detail::waiter {
+public:
+    next_awaitable(const next_awaitable&) = delete;
+    next_awaitable& operator=(const next_awaitable&) = delete;
 
     bool await_ready() noexcept {
-        if (s->pending != 0 || s->error != 0) return true;
+        if (s_->pending != 0 || s_->error != 0) return true;
         return false;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        s->waiters.push_back(this);
-        start(*s->ctx, options, h, s, &poll_stream::detach);
+        s_->waiters.push_back(this);
+        start(*s_->ctx, options_, h, s_, &poll_stream::detach);
     }
     unsigned await_resume() {
         if (decided()) { // fulfilled (revents set) or failed; the stream may be gone
             const int err = error();
             if (err != 0) throw_system_error(err, "poll_stream");
-            return revents;
+            return revents_;
         }
-        // Ready at once: *s is alive.
-        if (s->pending == 0) throw_system_error(s->error, "poll_stream");
-        return std::exchange(s->pending, 0u);
+        // Ready at once: *s_ is alive.
+        if (s_->pending == 0) throw_system_error(s_->error, "poll_stream");
+        return std::exchange(s_->pending, 0u);
     }
+
+private:
+    friend class poll_stream; // links it into its queue and hands it revents_
+
+    next_awaitable(poll_stream::state* st, wait_options o) noexcept
+        : s_(st), options_(std::move(o)) {}
+
+    poll_stream::state* s_;
+    wait_options options_;
+    unsigned revents_ = 0;
 };
 
-inline auto poll_stream::next(wait_options options) noexcept {
-    return next_awaiter{state_.get(), std::move(options)};
+inline poll_stream::next_awaitable poll_stream::next(wait_options options) noexcept {
+    return next_awaitable{state_.get(), std::move(options)};
 }
 
 } // namespace ringverbs

@@ -20,6 +20,7 @@ namespace ringverbs {
 
 namespace detail {
 
+// Spelled out in when_all's signature too (public signatures name no detail type).
 template <typename T>
 using when_all_value_t = std::conditional_t<std::is_void_v<T>, std::monostate, T>;
 
@@ -106,7 +107,8 @@ struct start_all {
 // results (std::monostate for task<void>). Every task runs to its end even when one throws;
 // then the first exception is rethrown.
 template <typename... Ts>
-task<std::tuple<detail::when_all_value_t<Ts>...>> when_all(task<Ts>... tasks) {
+task<std::tuple<std::conditional_t<std::is_void_v<Ts>, std::monostate, Ts>...>>
+when_all(task<Ts>... tasks) {
     detail::when_all_latch latch{sizeof...(Ts) + 1, {}, {}};
     std::tuple<std::optional<detail::when_all_value_t<Ts>>...> slots;
     auto children = std::apply(
