@@ -42,7 +42,7 @@ const char* const usage =
     "  --depth     receives posted per connection (default 64)\n"
     "  --mode      how the completion channel waits (default events)\n";
 
-struct config {
+struct server_options {
     std::string address = "0.0.0.0";
     std::uint16_t port = echo::default_port;
     std::string device;
@@ -54,18 +54,19 @@ struct config {
 // What connections of one device share: its protection domain, completion channel, and the
 // watch on its asynchronous events (a port going down, a CQ overrun, a fatal QP error).
 struct device_resources {
-    verbs::context ctx;
-    verbs::protection_domain pd{ctx};
-    channel events;
-    device_events async;
-    device_resources(io_context& io, verbs::context c, polling_mode mode)
-        : ctx(std::move(c)), events(io, ctx, channel_options{.mode = mode}), async(io, ctx) {}
+    verbs::context context;
+    verbs::protection_domain pd{context};
+    channel completion_channel;
+    device_events device_watch;
+    device_resources(io_context& io, verbs::context device, polling_mode mode)
+        : context(std::move(device)), completion_channel(io, context, channel_options{.mode = mode}),
+          device_watch(io, context) {}
 };
 
-struct server {
-    server(io_context& i, config c) : io(i), cfg(std::move(c)) {}
+struct echo_server {
+    echo_server(io_context& io, server_options options) : io(io), options(std::move(options)) {}
     io_context& io;
-    config cfg;
+    server_options options;
     cm_channel cm{io};
     std::map<ibv_context*, std::unique_ptr<device_resources>> devices;
     std::stop_source stopping;
@@ -82,13 +83,13 @@ struct outcome {
 constexpr std::uint64_t send_bit = std::uint64_t{1} << 32;
 
 // Serves one accepted connection until it ends; its CQ, QP and buffers go when this returns.
-task<outcome> echo_until_closed(server& s, device_resources& dev, cm_id id) {
-    const std::uint32_t size = s.cfg.max_size, depth = s.cfg.depth;
+task<outcome> echo_until_closed(echo_server& server, device_resources& device, cm_id id) {
+    const std::uint32_t size = server.options.max_size, depth = server.options.depth;
     // The pool is declared before the QP, so that it outlives it.
     std::vector<std::byte> pool(std::size_t{depth} * size);
-    verbs::memory_region mr(dev.pd, pool);
-    cq completions(dev.events, cq_options{.entries = static_cast<int>(2 * depth)});
-    qp q = id.make_qp(dev.pd, completions, completions, verbs::qp_caps{.max_send_wr = depth, .max_recv_wr = depth});
+    verbs::memory_region mr(device.pd, pool);
+    cq completions(device.completion_channel, cq_options{.entries = static_cast<int>(2 * depth)});
+    qp q = id.make_qp(device.pd, completions, completions, verbs::qp_caps{.max_send_wr = depth, .max_recv_wr = depth});
     std::vector<std::uint32_t> length(depth); // of the message each slot echoes
     ibv_sge sge{};
     auto post_receive = [&](std::uint64_t slot) {
@@ -135,7 +136,7 @@ task<outcome> echo_until_closed(server& s, device_resources& dev, cm_id id) {
         // Once closing, only the flushes are awaited, and not forever: Soft-RoCE on Linux 6.1
         // never flushes a send that was waiting for the peer's ACK. The QP is in the error
         // state by then, so destroying it with such a request outstanding is safe.
-        const wait_options wait = closing ? wait_options(5s) : wait_options(s.stopping.get_token());
+        const wait_options wait = closing ? wait_options(5s) : wait_options(server.stopping.get_token());
         bool interrupted = false;
         try {
             wc = co_await completions.next(wait);
@@ -181,129 +182,130 @@ task<outcome> echo_until_closed(server& s, device_resources& dev, cm_id id) {
     co_return out;
 }
 
-task<void> serve(server& s, device_resources& dev, cm_id id, int number) {
+task<void> serve(echo_server& server, device_resources& device, cm_id id, int number) {
     const std::string peer = echo::text_of(rdma_get_peer_addr(id.native()));
-    ++s.open;
+    ++server.open;
     outcome out;
     try {
-        out = co_await echo_until_closed(s, dev, std::move(id));
+        out = co_await echo_until_closed(server, device, std::move(id));
     } catch (const std::exception& e) {
         out.why = e.what();
     }
-    --s.open;
-    ++s.served;
-    s.messages += out.messages;
-    s.bytes += out.bytes;
+    --server.open;
+    ++server.served;
+    server.messages += out.messages;
+    server.bytes += out.bytes;
     std::printf("echo_server: connection %d from %s closed (%s) after %llu messages, %llu bytes; "
                 "its QP, CQ and MR released; %d open\n",
                 number, peer.c_str(), out.why.c_str(), static_cast<unsigned long long>(out.messages),
-                static_cast<unsigned long long>(out.bytes), s.open);
+                static_cast<unsigned long long>(out.bytes), server.open);
     std::fflush(stdout);
 }
 
 // Logs the device's asynchronous events until the server stops. The runtime has already
 // routed each one (a CQ overrun fails that CQ, a fatal QP error flushes that QP), so the
 // connection concerned ends on its own.
-task<void> log_device_events(server& s, device_resources& dev) {
+task<void> log_device_events(echo_server& server, device_resources& device) {
     for (;;) {
-        async_event e;
+        async_event event;
         try {
-            e = co_await dev.async.next(wait_options(s.stopping.get_token()));
+            event = co_await device.device_watch.next(wait_options(server.stopping.get_token()));
         } catch (const std::system_error&) {
             co_return; // shutting down
         }
-        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(dev.ctx.name().size()), dev.ctx.name().data(),
-                    e.name(), e.routed ? " (its connection is closed)" : "");
+        const std::string_view name = device.context.name();
+        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(name.size()), name.data(), event.name(),
+                    event.routed ? " (its connection is closed)" : "");
         std::fflush(stdout);
     }
 }
 
-device_resources& resources_for(server& s, verbs::context ctx) {
-    auto& dev = s.devices[ctx.native()];
-    if (!dev) {
-        dev = std::make_unique<device_resources>(s.io, std::move(ctx), s.cfg.mode);
-        s.io.spawn(log_device_events(s, *dev));
+device_resources& resources_for(echo_server& server, verbs::context context) {
+    auto& resources = server.devices[context.native()];
+    if (!resources) {
+        resources = std::make_unique<device_resources>(server.io, std::move(context), server.options.mode);
+        server.io.spawn(log_device_events(server, *resources));
     }
-    return *dev;
+    return *resources;
 }
 
-task<void> accept_loop(server& s, cm_id& listener) {
+task<void> accept_loop(echo_server& server, cm_id& listener) {
     for (int number = 1;; ++number) {
-        std::optional<cm_id> c;
+        std::optional<cm_id> request;
         try {
-            c.emplace(co_await listener.accept(wait_options(s.stopping.get_token())));
+            request.emplace(co_await listener.accept(wait_options(server.stopping.get_token())));
         } catch (const std::system_error& e) {
             if (e.code() != std::errc::operation_canceled) {
                 std::fprintf(stderr, "echo_server: %s\n", e.what());
-                s.stopping.request_stop();
+                server.stopping.request_stop();
             }
             co_return;
         }
-        verbs::context ctx = c->device();
-        if (!s.cfg.device.empty() && ctx.name() != s.cfg.device) {
-            c->reject();
+        verbs::context device = request->device();
+        if (!server.options.device.empty() && device.name() != server.options.device) {
+            request->reject();
             continue;
         }
-        s.io.spawn(serve(s, resources_for(s, std::move(ctx)), std::move(*c), number));
+        server.io.spawn(serve(server, resources_for(server, std::move(device)), std::move(*request), number));
     }
 }
 
-task<void> watch_signals(server& s, int fd) {
-    const int sig = co_await echo::next_signal(s.io, fd, s.stopping.get_token());
-    if (sig != 0) {
-        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(sig), s.open);
+task<void> watch_signals(echo_server& server, int fd) {
+    const int signal_number = co_await echo::next_signal(server.io, fd, server.stopping.get_token());
+    if (signal_number != 0) {
+        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number), server.open);
         std::fflush(stdout);
-        s.stopping.request_stop();
+        server.stopping.request_stop();
     }
 }
 
-config parse(int argc, char** argv) {
-    config c;
-    if (const char* d = std::getenv("RINGVERBS_DEVICE")) c.device = d;
+server_options parse(int argc, char** argv) {
+    server_options options;
+    if (const char* device = std::getenv("RINGVERBS_DEVICE")) options.device = device;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
         if (flag == "--help" || flag == "-h") throw echo::usage_error("");
         if (i + 1 >= argc) throw echo::usage_error(flag + " needs a value (or is unknown)");
-        const std::string v = argv[++i];
-        if (flag == "--address") c.address = v;
-        else if (flag == "--port") c.port = static_cast<std::uint16_t>(echo::number(flag, v, 1, 65535));
-        else if (flag == "--device") c.device = v;
-        else if (flag == "--max-size") c.max_size = static_cast<std::uint32_t>(echo::number(flag, v, 1, 1u << 30));
-        else if (flag == "--depth") c.depth = static_cast<std::uint32_t>(echo::number(flag, v, 1, 4096));
-        else if (flag == "--mode") c.mode = echo::mode_of(v);
+        const std::string value = argv[++i];
+        if (flag == "--address") options.address = value;
+        else if (flag == "--port") options.port = static_cast<std::uint16_t>(echo::number(flag, value, 1, 65535));
+        else if (flag == "--device") options.device = value;
+        else if (flag == "--max-size") options.max_size = static_cast<std::uint32_t>(echo::number(flag, value, 1, 1u << 30));
+        else if (flag == "--depth") options.depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 4096));
+        else if (flag == "--mode") options.mode = echo::mode_of(value);
         else throw echo::usage_error("unknown option " + flag);
     }
-    return c;
+    return options;
 }
 
 } // namespace
 
 int main(int argc, char** argv) {
-    config cfg;
-    if (auto status = echo::parse_options("echo_server", usage, parse, argc, argv, cfg)) return *status;
+    server_options options;
+    if (auto status = echo::parse_options("echo_server", usage, parse, argc, argv, options)) return *status;
     try {
-        echo::check_device(cfg.device);
-        const sockaddr_storage at = echo::address_of(cfg.address, cfg.port);
+        echo::check_device(options.device);
+        const sockaddr_storage address = echo::address_of(options.address, options.port);
         const int signals = echo::signal_fd();
         io_context io;
-        server s(io, cfg);
-        cm_id listener(s.cm);
+        echo_server server(io, options);
+        cm_id listener(server.cm);
         try {
-            listener.listen(reinterpret_cast<const sockaddr*>(&at), 128);
+            listener.listen(reinterpret_cast<const sockaddr*>(&address), 128);
         } catch (const std::system_error& e) {
-            throw std::runtime_error("cannot listen on " + echo::text_of(reinterpret_cast<const sockaddr*>(&at)) + ": " + e.what());
+            throw std::runtime_error("cannot listen on " + echo::text_of(reinterpret_cast<const sockaddr*>(&address)) + ": " + e.what());
         }
         // Bound to one device's address: its PD and channel now, so the first client waits less.
-        if (listener.native()->verbs != nullptr) resources_for(s, listener.device());
+        if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
         std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
-                    echo::text_of(reinterpret_cast<const sockaddr*>(&at)).c_str(), cfg.max_size, cfg.depth,
-                    echo::mode_name(cfg.mode));
+                    echo::text_of(reinterpret_cast<const sockaddr*>(&address)).c_str(), options.max_size, options.depth,
+                    echo::mode_name(options.mode));
         std::fflush(stdout);
-        io.spawn(watch_signals(s, signals));
-        io.spawn(accept_loop(s, listener));
+        io.spawn(watch_signals(server, signals));
+        io.spawn(accept_loop(server, listener));
         io.run(); // until a signal: the accept loop, then every connection, then the signal watch end
-        std::printf("echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n", s.served,
-                    static_cast<unsigned long long>(s.messages), static_cast<unsigned long long>(s.bytes));
+        std::printf("echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n", server.served,
+                    static_cast<unsigned long long>(server.messages), static_cast<unsigned long long>(server.bytes));
         ::close(signals);
         return 0;
     } catch (const std::exception& e) {
