@@ -1,19 +1,25 @@
-// echo_server: every message a client SENDs comes back unchanged with a SEND. One coroutine
-// per connection, all on one io_context: rdma_cm events, completions and signals all arrive
-// through its io_uring ring.
+// echo_server: every message a client SENDs comes back unchanged with a SEND. All on one
+// io_context: rdma_cm events, completions and signals all arrive through its io_uring ring.
 //
 //   echo_server [--address IP] [--port N] [--device NAME] [--max-size BYTES] [--depth N]
 //               [--mode events|hybrid|busy]
 //
 // Each connection gets its own CQ, QP and a registered pool of --depth buffers of --max-size
-// bytes, all posted as receives before the connection is accepted. A message is echoed from
-// the buffer it arrived in; the buffer is posted again once the echo's send completed. A
-// connection that fails (the client vanished, sent more than --max-size, ...) is closed and its
-// resources released; the others go on. SIGINT or SIGTERM closes every connection and exits 0.
+// bytes, all posted as receives before the connection is accepted. Each buffer has its own
+// coroutine, which receives a message into it and sends it back from it:
+//
+//   ibv_wc received = co_await qp.recv(buffer);  // resumes on this receive's own completion
+//   co_await qp.send(message);                   // (its byte_len bytes) and on this send's
+//
+// A connection that fails (the client vanished, sent more than --max-size, ...) is closed and
+// its resources released; the others go on. SIGINT or SIGTERM closes every connection and
+// exits 0.
 #include "echo_common.hpp"
 
-#include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/rdma/qp.hpp>
@@ -74,131 +80,166 @@ struct echo_server {
     std::uint64_t messages = 0, bytes = 0;
 };
 
-struct outcome {
+// How a connection ended, for its log line.
+struct summary {
     std::string why;
     std::uint64_t messages = 0, bytes = 0;
 };
 
-// wr_ids: the slot of the buffer, with this bit set for the echo's send.
-constexpr std::uint64_t send_bit = std::uint64_t{1} << 32;
+// One client's connection: a pool of buffers, its CQ and QP. Every buffer has its own echo
+// loop, a coroutine that receives a message into it and sends it back from it, again and
+// again; the first failure closes the connection and ends the other loops.
+class connection {
+public:
+    // Throws std::system_error naming the verb that failed (memory region, CQ, QP).
+    connection(echo_server& server, device_resources& device, cm_id id);
 
-// Serves one accepted connection until it ends; its CQ, QP and buffers go when this returns.
-task<outcome> echo_until_closed(echo_server& server, device_resources& device, cm_id id) {
-    const std::uint32_t size = server.options.max_size, depth = server.options.depth;
-    // The pool is declared before the QP, so that it outlives it.
-    std::vector<std::byte> pool(std::size_t{depth} * size);
-    verbs::memory_region mr(device.pd, pool);
-    cq completions(device.completion_channel, cq_options{.entries = static_cast<int>(2 * depth)});
-    qp q = id.make_qp(device.pd, completions, completions, verbs::qp_caps{.max_send_wr = depth, .max_recv_wr = depth});
-    std::vector<std::uint32_t> length(depth); // of the message each slot echoes
-    ibv_sge sge{};
-    auto post_receive = [&](std::uint64_t slot) {
-        sge = {reinterpret_cast<std::uintptr_t>(&pool[slot * size]), size, mr.native()->lkey};
-        ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
-        q.native_qp().post_recv(wr);
-    };
-    auto post_echo = [&](std::uint64_t slot, std::uint32_t len) {
-        sge = {reinterpret_cast<std::uintptr_t>(&pool[slot * size]), len, mr.native()->lkey};
-        ibv_send_wr wr{};
-        wr.wr_id = slot | send_bit;
-        wr.sg_list = &sge;
-        wr.num_sge = 1;
-        wr.opcode = IBV_WR_SEND;
-        wr.send_flags = IBV_SEND_SIGNALED;
-        q.native_qp().post_send(wr);
-    };
-    for (std::uint64_t slot = 0; slot < depth; ++slot) post_receive(slot);
+    // Accepts the client and echoes until the connection is closed. When it returns, no
+    // request is owed a completion: the connection may be destroyed.
+    task<summary> serve();
 
-    outcome out;
-    const echo::server_hello hello{htonl(size), htonl(depth)};
-    try {
-        co_await id.accept_connection(std::as_bytes(std::span(&hello, 1)), wait_options(10s));
-    } catch (const std::exception& e) {
-        out.why = e.what();
-        co_return out; // destroying the qp flushes the receives
-    }
+private:
+    enum class request { receive, echo_send };
 
-    // Every posted request completes exactly once: count them until all are back.
-    std::size_t posted = depth;
-    bool closing = false;
-    auto close = [&](std::string why) -> task<void> {
-        if (closing) co_return;
-        closing = true;
-        out.why = std::move(why);
-        try { // rdma_disconnect: the QP goes to the error state, the rest is flushed
-            co_await id.disconnect(wait_options(2s));
-        } catch (const std::exception&) {
-            // The client is gone without a word: the flush comes all the same.
-        }
-    };
-    while (posted > 0) {
-        ibv_wc wc{};
-        // Once closing, only the flushes are awaited, and not forever: Soft-RoCE on Linux 6.1
-        // never flushes a send that was waiting for the peer's ACK. The QP is in the error
-        // state by then, so destroying it with such a request outstanding is safe.
-        const wait_options wait = closing ? wait_options(5s) : wait_options(server.stopping.get_token());
-        bool interrupted = false;
-        try {
-            wc = co_await completions.next(wait);
-        } catch (const std::system_error&) {
-            interrupted = true; // a co_await may not be in a handler
-        }
-        if (interrupted && closing) {
-            out.why += "; " + std::to_string(posted) + " request(s) never flushed by the device";
-            break;
-        }
-        if (interrupted) {
-            co_await close("the server is shutting down");
-            continue;
-        }
-        --posted;
-        const std::uint64_t slot = wc.wr_id & ~send_bit;
-        if (wc.status != IBV_WC_SUCCESS) {
-            if (wc.status == IBV_WC_WR_FLUSH_ERR && id.is_disconnected()) co_await close("the client disconnected");
-            else if (!(wc.wr_id & send_bit) && (wc.status == IBV_WC_LOC_LEN_ERR || wc.status == IBV_WC_LOC_QP_OP_ERR))
-                // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
-                co_await close("a message larger than " + std::to_string(size) + " bytes (receive failed: " +
-                               ibv_wc_status_str(wc.status) + ")");
-            else co_await close(std::string(wc.wr_id & send_bit ? "echo send" : "receive") + " failed: " + ibv_wc_status_str(wc.status));
-            continue;
-        }
-        if (closing) continue;
-        std::string failed;
-        try {
-            if (wc.opcode == IBV_WC_RECV) {
-                length[slot] = wc.byte_len;
-                post_echo(slot, wc.byte_len); // the reply leaves from the buffer it came in
-            } else {
-                ++out.messages;
-                out.bytes += length[slot];
-                post_receive(slot); // the echo is sent: the buffer takes a message again
-            }
-            ++posted;
-        } catch (const std::exception& e) {
-            failed = e.what(); // ibv_post_*: named with its errno
-        }
-        if (!failed.empty()) co_await close(failed);
-    }
-    co_return out;
+    task<void> accept();
+    task<void> echo_loop(std::uint32_t slot);
+    task<void> close(std::string why);
+    task<void> disconnect();
+    std::string failure(request failed, ibv_wc_status status) const;
+    local_buffer buffer(std::uint32_t slot, std::uint32_t length);
+
+    echo_server& server_;
+    cm_id id_;
+    const std::uint32_t max_size_; // bytes of each buffer: the largest message taken
+    const std::uint32_t depth_;    // buffers, so receives posted
+    std::vector<std::byte> pool_;  // declared before the QP, so that it outlives it
+    verbs::memory_region mr_;
+    cq completions_;
+    qp qp_;
+    summary summary_;
+    bool accepted_ = false;
+    bool closing_ = false;
+    std::size_t never_flushed_ = 0; // requests the device never flushed after the close
+};
+
+connection::connection(echo_server& server, device_resources& device, cm_id id)
+    : server_(server), id_(std::move(id)), max_size_(server.options.max_size), depth_(server.options.depth),
+      pool_(std::size_t{depth_} * max_size_), mr_(device.pd, pool_),
+      completions_(device.completion_channel, cq_options{.entries = static_cast<int>(2 * depth_)}),
+      qp_(id_.make_qp(device.pd, completions_, completions_,
+                      verbs::qp_caps{.max_send_wr = depth_, .max_recv_wr = depth_})) {}
+
+task<summary> connection::serve() {
+    std::vector<task<void>> work;
+    for (std::uint32_t slot = 0; slot < depth_; ++slot) work.push_back(echo_loop(slot));
+    // Last: when_all starts its tasks in order, each up to its first co_await, so every
+    // buffer's receive is posted before the client may send.
+    work.push_back(accept());
+    co_await when_all(std::move(work));
+    if (never_flushed_ > 0)
+        summary_.why += "; " + std::to_string(never_flushed_) + " request(s) never flushed by the device";
+    co_return summary_;
 }
 
+// Tells the client what the server takes (in the accept's private data), then lets it send.
+task<void> connection::accept() {
+    const echo::server_hello hello{htonl(max_size_), htonl(depth_)};
+    std::string failed;
+    try {
+        co_await id_.accept_connection(std::as_bytes(std::span(&hello, 1)), wait_options(10s));
+        accepted_ = true;
+    } catch (const std::exception& e) {
+        failed = e.what(); // a co_await may not be in a handler
+    }
+    if (!failed.empty()) co_await close(std::move(failed));
+    else if (closing_) co_await disconnect(); // closed (by the server's stop) while accepting
+}
+
+// One buffer's life: receive a message into it, send it back from it, repeat. Each co_await
+// resumes on the completion of its own request, so the buffer is free again when the send's
+// await returns.
+task<void> connection::echo_loop(std::uint32_t slot) {
+    std::string why;
+    request current = request::receive;
+    try {
+        while (!closing_) {
+            current = request::receive;
+            const ibv_wc received =
+                co_await qp_.recv(buffer(slot, max_size_), wait_options(server_.stopping.get_token()));
+            if (closing_) break;
+            current = request::echo_send;
+            co_await qp_.send(buffer(slot, received.byte_len));
+            ++summary_.messages;
+            summary_.bytes += received.byte_len;
+        }
+    } catch (const completion_error& e) {
+        why = failure(current, e.status());
+    } catch (const std::system_error& e) {
+        // The bounded flush (qp_options::flush_timeout) ended it: the device never flushed it.
+        if (closing_ && e.code() == std::errc::io_error) ++never_flushed_;
+        why = e.what(); // ibv_post_*, named with its errno; or cancelled by the server's stop
+    }
+    co_await close(std::move(why));
+}
+
+// What a failed completion says about the connection.
+std::string connection::failure(request failed, ibv_wc_status status) const {
+    if (status == IBV_WC_WR_FLUSH_ERR && id_.is_disconnected()) return "the client disconnected";
+    // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
+    if (failed == request::receive && (status == IBV_WC_LOC_LEN_ERR || status == IBV_WC_LOC_QP_OP_ERR))
+        return "a message larger than " + std::to_string(max_size_) + " bytes (receive failed: " +
+               ibv_wc_status_str(status) + ")";
+    return std::string(failed == request::receive ? "receive" : "echo send") + " failed: " + ibv_wc_status_str(status);
+}
+
+// Closes the connection once, for the first reason given (or the server's shutdown): tells
+// the client, and moves the QP to the error state, so that every request still posted ends
+// with a flush, or after qp_options::flush_timeout (5 s) if the device never delivers it
+// (Soft-RoCE on Linux 6.1 never flushes a send that was waiting for the peer's ACK).
+task<void> connection::close(std::string why) {
+    if (closing_) co_return;
+    closing_ = true;
+    summary_.why = server_.stopping.stop_requested() ? "the server is shutting down" : std::move(why);
+    if (accepted_) co_await disconnect();
+    try {
+        qp_.to_error(); // rdma_disconnect did it behind the qp's back: this also bounds the flush
+    } catch (const std::exception& e) {
+        summary_.why += std::string("; ") + e.what();
+    }
+}
+
+// rdma_disconnect: the QP goes to the error state and the client learns it.
+task<void> connection::disconnect() {
+    try {
+        co_await id_.disconnect(wait_options(2s));
+    } catch (const std::exception&) {
+        // The client is gone without a word: the flush comes all the same.
+    }
+}
+
+local_buffer connection::buffer(std::uint32_t slot, std::uint32_t length) {
+    return local_buffer(mr_, std::span(pool_).subspan(std::size_t{slot} * max_size_, length));
+}
+
+// Serves one connection from its accept to its log line.
 task<void> serve(echo_server& server, device_resources& device, cm_id id, int number) {
     const std::string peer = echo::text_of(rdma_get_peer_addr(id.native()));
     ++server.open;
-    outcome out;
+    summary result;
     try {
-        out = co_await echo_until_closed(server, device, std::move(id));
+        connection client(server, device, std::move(id));
+        result = co_await client.serve();
     } catch (const std::exception& e) {
-        out.why = e.what();
+        result.why = e.what();
     }
     --server.open;
     ++server.served;
-    server.messages += out.messages;
-    server.bytes += out.bytes;
+    server.messages += result.messages;
+    server.bytes += result.bytes;
     std::printf("echo_server: connection %d from %s closed (%s) after %llu messages, %llu bytes; "
                 "its QP, CQ and MR released; %d open\n",
-                number, peer.c_str(), out.why.c_str(), static_cast<unsigned long long>(out.messages),
-                static_cast<unsigned long long>(out.bytes), server.open);
+                number, peer.c_str(), result.why.c_str(), static_cast<unsigned long long>(result.messages),
+                static_cast<unsigned long long>(result.bytes), server.open);
     std::fflush(stdout);
 }
 
