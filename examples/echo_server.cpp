@@ -69,6 +69,8 @@ struct device_resources {
           device_watch(io, context) {}
 };
 
+// What the whole server shares: the rdma_cm event channel, each device's resources, the stop
+// that SIGINT/SIGTERM requests, and the counts for the log.
 struct echo_server {
     echo_server(io_context& io, server_options options) : io(io), options(std::move(options)) {}
     io_context& io;
@@ -76,8 +78,8 @@ struct echo_server {
     cm_channel cm{io};
     std::map<ibv_context*, std::unique_ptr<device_resources>> devices;
     std::stop_source stopping;
-    int open = 0, served = 0;
-    std::uint64_t messages = 0, bytes = 0;
+    int open = 0, served = 0;              // connections
+    std::uint64_t messages = 0, bytes = 0; // echoed by the connections closed so far
 };
 
 // How a connection ended, for its log line.
@@ -111,7 +113,7 @@ private:
     echo_server& server_;
     cm_id id_;
     const std::uint32_t max_size_; // bytes of each buffer: the largest message taken
-    const std::uint32_t depth_;    // buffers, so receives posted
+    const std::uint32_t depth_;    // buffers, each with its own echo loop
     std::vector<std::byte> pool_;  // declared before the QP, so that it outlives it
     verbs::memory_region mr_;
     cq completions_;
@@ -202,7 +204,7 @@ task<void> connection::close(std::string why) {
     summary_.why = server_.stopping.stop_requested() ? "the server is shutting down" : std::move(why);
     if (accepted_) co_await disconnect();
     try {
-        qp_.to_error(); // rdma_disconnect did it behind the qp's back: this also bounds the flush
+        qp_.to_error(); // also after rdma_disconnect, which the qp does not see: arms the bound
     } catch (const std::exception& e) {
         summary_.why += std::string("; ") + e.what();
     }
@@ -319,6 +321,24 @@ server_options parse(int argc, char** argv) {
     return options;
 }
 
+// The listening id, announced on stdout. Throws "cannot listen on ADDRESS: ..." (e.g. address in use).
+cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
+    const auto* at = reinterpret_cast<const sockaddr*>(&address);
+    cm_id listener(server.cm);
+    try {
+        listener.listen(at, 128);
+    } catch (const std::system_error& e) {
+        throw std::runtime_error("cannot listen on " + echo::text_of(at) + ": " + e.what());
+    }
+    // Bound to one device's address: its PD and channel now, so the first client waits less.
+    if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
+    const server_options& options = server.options;
+    std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
+                echo::text_of(at).c_str(), options.max_size, options.depth, echo::mode_name(options.mode));
+    std::fflush(stdout);
+    return listener;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -330,18 +350,7 @@ int main(int argc, char** argv) {
         const int signals = echo::signal_fd();
         io_context io;
         echo_server server(io, options);
-        cm_id listener(server.cm);
-        try {
-            listener.listen(reinterpret_cast<const sockaddr*>(&address), 128);
-        } catch (const std::system_error& e) {
-            throw std::runtime_error("cannot listen on " + echo::text_of(reinterpret_cast<const sockaddr*>(&address)) + ": " + e.what());
-        }
-        // Bound to one device's address: its PD and channel now, so the first client waits less.
-        if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
-        std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
-                    echo::text_of(reinterpret_cast<const sockaddr*>(&address)).c_str(), options.max_size, options.depth,
-                    echo::mode_name(options.mode));
-        std::fflush(stdout);
+        cm_id listener = listen_on(server, address);
         io.spawn(watch_signals(server, signals));
         io.spawn(accept_loop(server, listener));
         io.run(); // until a signal: the accept loop, then every connection, then the signal watch end
