@@ -1,19 +1,25 @@
-// echo_server: every message a client SENDs comes back unchanged with a SEND. One coroutine
-// per connection, all on one io_context: rdma_cm events, completions and signals all arrive
-// through its io_uring ring.
+// echo_server: every message a client SENDs comes back unchanged with a SEND. All on one
+// io_context: rdma_cm events, completions and signals all arrive through its io_uring ring.
 //
 //   echo_server [--address IP] [--port N] [--device NAME] [--max-size BYTES] [--depth N]
 //               [--mode events|hybrid|busy]
 //
 // Each connection gets its own CQ, QP and a registered pool of --depth buffers of --max-size
-// bytes, all posted as receives before the connection is accepted. A message is echoed from
-// the buffer it arrived in; the buffer is posted again once the echo's send completed. A
-// connection that fails (the client vanished, sent more than --max-size, ...) is closed and its
-// resources released; the others go on. SIGINT or SIGTERM closes every connection and exits 0.
+// bytes, all posted as receives before the connection is accepted. Each buffer has its own
+// coroutine, which receives a message into it and sends it back from it:
+//
+//   ibv_wc received = co_await qp.recv(buffer);  // resumes on this receive's own completion
+//   co_await qp.send(message);                   // (its byte_len bytes) and on this send's
+//
+// A connection that fails (the client vanished, sent more than --max-size, ...) is closed and
+// its resources released; the others go on. SIGINT or SIGTERM closes every connection and
+// exits 0.
 #include "echo_common.hpp"
 
-#include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/rdma/qp.hpp>
@@ -42,7 +48,7 @@ const char* const usage =
     "  --depth     receives posted per connection (default 64)\n"
     "  --mode      how the completion channel waits (default events)\n";
 
-struct config {
+struct server_options {
     std::string address = "0.0.0.0";
     std::uint16_t port = echo::default_port;
     std::string device;
@@ -54,256 +60,302 @@ struct config {
 // What connections of one device share: its protection domain, completion channel, and the
 // watch on its asynchronous events (a port going down, a CQ overrun, a fatal QP error).
 struct device_resources {
-    verbs::context ctx;
-    verbs::protection_domain pd{ctx};
-    channel events;
-    device_events async;
-    device_resources(io_context& io, verbs::context c, polling_mode mode)
-        : ctx(std::move(c)), events(io, ctx, channel_options{.mode = mode}), async(io, ctx) {}
+    verbs::context context;
+    verbs::protection_domain pd{context};
+    channel completion_channel;
+    device_events device_watch;
+    device_resources(io_context& io, verbs::context device, polling_mode mode)
+        : context(std::move(device)), completion_channel(io, context, channel_options{.mode = mode}),
+          device_watch(io, context) {}
 };
 
-struct server {
-    server(io_context& i, config c) : io(i), cfg(std::move(c)) {}
+// What the whole server shares: the rdma_cm event channel, each device's resources, the stop
+// that SIGINT/SIGTERM requests, and the counts for the log.
+struct echo_server {
+    echo_server(io_context& io, server_options options) : io(io), options(std::move(options)) {}
     io_context& io;
-    config cfg;
+    server_options options;
     cm_channel cm{io};
     std::map<ibv_context*, std::unique_ptr<device_resources>> devices;
     std::stop_source stopping;
-    int open = 0, served = 0;
-    std::uint64_t messages = 0, bytes = 0;
+    int open = 0, served = 0;              // connections
+    std::uint64_t messages = 0, bytes = 0; // echoed by the connections closed so far
 };
 
-struct outcome {
+// How a connection ended, for its log line.
+struct summary {
     std::string why;
     std::uint64_t messages = 0, bytes = 0;
 };
 
-// wr_ids: the slot of the buffer, with this bit set for the echo's send.
-constexpr std::uint64_t send_bit = std::uint64_t{1} << 32;
+// One client's connection: a pool of buffers, its CQ and QP. Every buffer has its own echo
+// loop, a coroutine that receives a message into it and sends it back from it, again and
+// again; the first failure closes the connection and ends the other loops.
+class connection {
+public:
+    // Throws std::system_error naming the verb that failed (memory region, CQ, QP).
+    connection(echo_server& server, device_resources& device, cm_id id);
 
-// Serves one accepted connection until it ends; its CQ, QP and buffers go when this returns.
-task<outcome> echo_until_closed(server& s, device_resources& dev, cm_id id) {
-    const std::uint32_t size = s.cfg.max_size, depth = s.cfg.depth;
-    // The pool is declared before the QP, so that it outlives it.
-    std::vector<std::byte> pool(std::size_t{depth} * size);
-    verbs::memory_region mr(dev.pd, pool);
-    cq completions(dev.events, cq_options{.entries = static_cast<int>(2 * depth)});
-    qp q = id.make_qp(dev.pd, completions, completions, verbs::qp_caps{.max_send_wr = depth, .max_recv_wr = depth});
-    std::vector<std::uint32_t> length(depth); // of the message each slot echoes
-    ibv_sge sge{};
-    auto post_receive = [&](std::uint64_t slot) {
-        sge = {reinterpret_cast<std::uintptr_t>(&pool[slot * size]), size, mr.native()->lkey};
-        ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
-        q.native_qp().post_recv(wr);
-    };
-    auto post_echo = [&](std::uint64_t slot, std::uint32_t len) {
-        sge = {reinterpret_cast<std::uintptr_t>(&pool[slot * size]), len, mr.native()->lkey};
-        ibv_send_wr wr{};
-        wr.wr_id = slot | send_bit;
-        wr.sg_list = &sge;
-        wr.num_sge = 1;
-        wr.opcode = IBV_WR_SEND;
-        wr.send_flags = IBV_SEND_SIGNALED;
-        q.native_qp().post_send(wr);
-    };
-    for (std::uint64_t slot = 0; slot < depth; ++slot) post_receive(slot);
+    // Accepts the client and echoes until the connection is closed. When it returns, no
+    // request is owed a completion: the connection may be destroyed.
+    task<summary> serve();
 
-    outcome out;
-    const echo::server_hello hello{htonl(size), htonl(depth)};
-    try {
-        co_await id.accept_connection(std::as_bytes(std::span(&hello, 1)), wait_options(10s));
-    } catch (const std::exception& e) {
-        out.why = e.what();
-        co_return out; // destroying the qp flushes the receives
-    }
+private:
+    enum class request { receive, echo_send };
 
-    // Every posted request completes exactly once: count them until all are back.
-    std::size_t posted = depth;
-    bool closing = false;
-    auto close = [&](std::string why) -> task<void> {
-        if (closing) co_return;
-        closing = true;
-        out.why = std::move(why);
-        try { // rdma_disconnect: the QP goes to the error state, the rest is flushed
-            co_await id.disconnect(wait_options(2s));
-        } catch (const std::exception&) {
-            // The client is gone without a word: the flush comes all the same.
-        }
-    };
-    while (posted > 0) {
-        ibv_wc wc{};
-        // Once closing, only the flushes are awaited, and not forever: Soft-RoCE on Linux 6.1
-        // never flushes a send that was waiting for the peer's ACK. The QP is in the error
-        // state by then, so destroying it with such a request outstanding is safe.
-        const wait_options wait = closing ? wait_options(5s) : wait_options(s.stopping.get_token());
-        bool interrupted = false;
-        try {
-            wc = co_await completions.next(wait);
-        } catch (const std::system_error&) {
-            interrupted = true; // a co_await may not be in a handler
-        }
-        if (interrupted && closing) {
-            out.why += "; " + std::to_string(posted) + " request(s) never flushed by the device";
-            break;
-        }
-        if (interrupted) {
-            co_await close("the server is shutting down");
-            continue;
-        }
-        --posted;
-        const std::uint64_t slot = wc.wr_id & ~send_bit;
-        if (wc.status != IBV_WC_SUCCESS) {
-            if (wc.status == IBV_WC_WR_FLUSH_ERR && id.is_disconnected()) co_await close("the client disconnected");
-            else if (!(wc.wr_id & send_bit) && (wc.status == IBV_WC_LOC_LEN_ERR || wc.status == IBV_WC_LOC_QP_OP_ERR))
-                // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
-                co_await close("a message larger than " + std::to_string(size) + " bytes (receive failed: " +
-                               ibv_wc_status_str(wc.status) + ")");
-            else co_await close(std::string(wc.wr_id & send_bit ? "echo send" : "receive") + " failed: " + ibv_wc_status_str(wc.status));
-            continue;
-        }
-        if (closing) continue;
-        std::string failed;
-        try {
-            if (wc.opcode == IBV_WC_RECV) {
-                length[slot] = wc.byte_len;
-                post_echo(slot, wc.byte_len); // the reply leaves from the buffer it came in
-            } else {
-                ++out.messages;
-                out.bytes += length[slot];
-                post_receive(slot); // the echo is sent: the buffer takes a message again
-            }
-            ++posted;
-        } catch (const std::exception& e) {
-            failed = e.what(); // ibv_post_*: named with its errno
-        }
-        if (!failed.empty()) co_await close(failed);
-    }
-    co_return out;
+    task<void> accept();
+    task<void> echo_loop(std::uint32_t slot);
+    task<void> close(std::string why);
+    task<void> disconnect();
+    std::string failure(request failed, ibv_wc_status status) const;
+    local_buffer buffer(std::uint32_t slot, std::uint32_t length);
+
+    echo_server& server_;
+    cm_id id_;
+    const std::uint32_t max_size_; // bytes of each buffer: the largest message taken
+    const std::uint32_t depth_;    // buffers, each with its own echo loop
+    std::vector<std::byte> pool_;  // declared before the QP, so that it outlives it
+    verbs::memory_region mr_;
+    cq completions_;
+    qp qp_;
+    summary summary_;
+    bool accepted_ = false;
+    bool closing_ = false;
+    std::size_t never_flushed_ = 0; // requests the device never flushed after the close
+};
+
+connection::connection(echo_server& server, device_resources& device, cm_id id)
+    : server_(server), id_(std::move(id)), max_size_(server.options.max_size), depth_(server.options.depth),
+      pool_(std::size_t{depth_} * max_size_), mr_(device.pd, pool_),
+      completions_(device.completion_channel, cq_options{.entries = static_cast<int>(2 * depth_)}),
+      qp_(id_.make_qp(device.pd, completions_, completions_,
+                      verbs::qp_caps{.max_send_wr = depth_, .max_recv_wr = depth_})) {}
+
+task<summary> connection::serve() {
+    std::vector<task<void>> work;
+    for (std::uint32_t slot = 0; slot < depth_; ++slot) work.push_back(echo_loop(slot));
+    // Last: when_all starts its tasks in order, each up to its first co_await, so every
+    // buffer's receive is posted before the client may send.
+    work.push_back(accept());
+    co_await when_all(std::move(work));
+    if (never_flushed_ > 0)
+        summary_.why += "; " + std::to_string(never_flushed_) + " request(s) never flushed by the device";
+    co_return summary_;
 }
 
-task<void> serve(server& s, device_resources& dev, cm_id id, int number) {
-    const std::string peer = echo::text_of(rdma_get_peer_addr(id.native()));
-    ++s.open;
-    outcome out;
+// Tells the client what the server takes (in the accept's private data), then lets it send.
+task<void> connection::accept() {
+    const echo::server_hello hello{htonl(max_size_), htonl(depth_)};
+    std::string failed;
     try {
-        out = co_await echo_until_closed(s, dev, std::move(id));
+        co_await id_.accept_connection(std::as_bytes(std::span(&hello, 1)), wait_options(10s));
+        accepted_ = true;
     } catch (const std::exception& e) {
-        out.why = e.what();
+        failed = e.what(); // a co_await may not be in a handler
     }
-    --s.open;
-    ++s.served;
-    s.messages += out.messages;
-    s.bytes += out.bytes;
+    if (!failed.empty()) co_await close(std::move(failed));
+    else if (closing_) co_await disconnect(); // closed (by the server's stop) while accepting
+}
+
+// One buffer's life: receive a message into it, send it back from it, repeat. Each co_await
+// resumes on the completion of its own request, so the buffer is free again when the send's
+// await returns.
+task<void> connection::echo_loop(std::uint32_t slot) {
+    std::string why;
+    request current = request::receive;
+    try {
+        while (!closing_) {
+            current = request::receive;
+            const ibv_wc received =
+                co_await qp_.recv(buffer(slot, max_size_), wait_options(server_.stopping.get_token()));
+            if (closing_) break;
+            current = request::echo_send;
+            co_await qp_.send(buffer(slot, received.byte_len));
+            ++summary_.messages;
+            summary_.bytes += received.byte_len;
+        }
+    } catch (const completion_error& e) {
+        why = failure(current, e.status());
+    } catch (const std::system_error& e) {
+        // The bounded flush (qp_options::flush_timeout) ended it: the device never flushed it.
+        if (closing_ && e.code() == std::errc::io_error) ++never_flushed_;
+        why = e.what(); // ibv_post_*, named with its errno; or cancelled by the server's stop
+    }
+    co_await close(std::move(why));
+}
+
+// What a failed completion says about the connection.
+std::string connection::failure(request failed, ibv_wc_status status) const {
+    if (status == IBV_WC_WR_FLUSH_ERR && id_.is_disconnected()) return "the client disconnected";
+    // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
+    if (failed == request::receive && (status == IBV_WC_LOC_LEN_ERR || status == IBV_WC_LOC_QP_OP_ERR))
+        return "a message larger than " + std::to_string(max_size_) + " bytes (receive failed: " +
+               ibv_wc_status_str(status) + ")";
+    return std::string(failed == request::receive ? "receive" : "echo send") + " failed: " + ibv_wc_status_str(status);
+}
+
+// Closes the connection once, for the first reason given (or the server's shutdown): tells
+// the client, and moves the QP to the error state, so that every request still posted ends
+// with a flush, or after qp_options::flush_timeout (5 s) if the device never delivers it
+// (Soft-RoCE on Linux 6.1 never flushes a send that was waiting for the peer's ACK).
+task<void> connection::close(std::string why) {
+    if (closing_) co_return;
+    closing_ = true;
+    summary_.why = server_.stopping.stop_requested() ? "the server is shutting down" : std::move(why);
+    if (accepted_) co_await disconnect();
+    try {
+        qp_.to_error(); // also after rdma_disconnect, which the qp does not see: arms the bound
+    } catch (const std::exception& e) {
+        summary_.why += std::string("; ") + e.what();
+    }
+}
+
+// rdma_disconnect: the QP goes to the error state and the client learns it.
+task<void> connection::disconnect() {
+    try {
+        co_await id_.disconnect(wait_options(2s));
+    } catch (const std::exception&) {
+        // The client is gone without a word: the flush comes all the same.
+    }
+}
+
+local_buffer connection::buffer(std::uint32_t slot, std::uint32_t length) {
+    return local_buffer(mr_, std::span(pool_).subspan(std::size_t{slot} * max_size_, length));
+}
+
+// Serves one connection from its accept to its log line.
+task<void> serve(echo_server& server, device_resources& device, cm_id id, int number) {
+    const std::string peer = echo::text_of(rdma_get_peer_addr(id.native()));
+    ++server.open;
+    summary result;
+    try {
+        connection client(server, device, std::move(id));
+        result = co_await client.serve();
+    } catch (const std::exception& e) {
+        result.why = e.what();
+    }
+    --server.open;
+    ++server.served;
+    server.messages += result.messages;
+    server.bytes += result.bytes;
     std::printf("echo_server: connection %d from %s closed (%s) after %llu messages, %llu bytes; "
                 "its QP, CQ and MR released; %d open\n",
-                number, peer.c_str(), out.why.c_str(), static_cast<unsigned long long>(out.messages),
-                static_cast<unsigned long long>(out.bytes), s.open);
+                number, peer.c_str(), result.why.c_str(), static_cast<unsigned long long>(result.messages),
+                static_cast<unsigned long long>(result.bytes), server.open);
     std::fflush(stdout);
 }
 
 // Logs the device's asynchronous events until the server stops. The runtime has already
 // routed each one (a CQ overrun fails that CQ, a fatal QP error flushes that QP), so the
 // connection concerned ends on its own.
-task<void> log_device_events(server& s, device_resources& dev) {
+task<void> log_device_events(echo_server& server, device_resources& device) {
     for (;;) {
-        async_event e;
+        async_event event;
         try {
-            e = co_await dev.async.next(wait_options(s.stopping.get_token()));
+            event = co_await device.device_watch.next(wait_options(server.stopping.get_token()));
         } catch (const std::system_error&) {
             co_return; // shutting down
         }
-        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(dev.ctx.name().size()), dev.ctx.name().data(),
-                    e.name(), e.routed ? " (its connection is closed)" : "");
+        const std::string_view name = device.context.name();
+        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(name.size()), name.data(), event.name(),
+                    event.routed ? " (its connection is closed)" : "");
         std::fflush(stdout);
     }
 }
 
-device_resources& resources_for(server& s, verbs::context ctx) {
-    auto& dev = s.devices[ctx.native()];
-    if (!dev) {
-        dev = std::make_unique<device_resources>(s.io, std::move(ctx), s.cfg.mode);
-        s.io.spawn(log_device_events(s, *dev));
+device_resources& resources_for(echo_server& server, verbs::context context) {
+    auto& resources = server.devices[context.native()];
+    if (!resources) {
+        resources = std::make_unique<device_resources>(server.io, std::move(context), server.options.mode);
+        server.io.spawn(log_device_events(server, *resources));
     }
-    return *dev;
+    return *resources;
 }
 
-task<void> accept_loop(server& s, cm_id& listener) {
+task<void> accept_loop(echo_server& server, cm_id& listener) {
     for (int number = 1;; ++number) {
-        std::optional<cm_id> c;
+        std::optional<cm_id> request;
         try {
-            c.emplace(co_await listener.accept(wait_options(s.stopping.get_token())));
+            request.emplace(co_await listener.accept(wait_options(server.stopping.get_token())));
         } catch (const std::system_error& e) {
             if (e.code() != std::errc::operation_canceled) {
                 std::fprintf(stderr, "echo_server: %s\n", e.what());
-                s.stopping.request_stop();
+                server.stopping.request_stop();
             }
             co_return;
         }
-        verbs::context ctx = c->device();
-        if (!s.cfg.device.empty() && ctx.name() != s.cfg.device) {
-            c->reject();
+        verbs::context device = request->device();
+        if (!server.options.device.empty() && device.name() != server.options.device) {
+            request->reject();
             continue;
         }
-        s.io.spawn(serve(s, resources_for(s, std::move(ctx)), std::move(*c), number));
+        server.io.spawn(serve(server, resources_for(server, std::move(device)), std::move(*request), number));
     }
 }
 
-task<void> watch_signals(server& s, int fd) {
-    const int sig = co_await echo::next_signal(s.io, fd, s.stopping.get_token());
-    if (sig != 0) {
-        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(sig), s.open);
+task<void> watch_signals(echo_server& server, int fd) {
+    const int signal_number = co_await echo::next_signal(server.io, fd, server.stopping.get_token());
+    if (signal_number != 0) {
+        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number), server.open);
         std::fflush(stdout);
-        s.stopping.request_stop();
+        server.stopping.request_stop();
     }
 }
 
-config parse(int argc, char** argv) {
-    config c;
-    if (const char* d = std::getenv("RINGVERBS_DEVICE")) c.device = d;
+server_options parse(int argc, char** argv) {
+    server_options options;
+    if (const char* device = std::getenv("RINGVERBS_DEVICE")) options.device = device;
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
         if (flag == "--help" || flag == "-h") throw echo::usage_error("");
         if (i + 1 >= argc) throw echo::usage_error(flag + " needs a value (or is unknown)");
-        const std::string v = argv[++i];
-        if (flag == "--address") c.address = v;
-        else if (flag == "--port") c.port = static_cast<std::uint16_t>(echo::number(flag, v, 1, 65535));
-        else if (flag == "--device") c.device = v;
-        else if (flag == "--max-size") c.max_size = static_cast<std::uint32_t>(echo::number(flag, v, 1, 1u << 30));
-        else if (flag == "--depth") c.depth = static_cast<std::uint32_t>(echo::number(flag, v, 1, 4096));
-        else if (flag == "--mode") c.mode = echo::mode_of(v);
+        const std::string value = argv[++i];
+        if (flag == "--address") options.address = value;
+        else if (flag == "--port") options.port = static_cast<std::uint16_t>(echo::number(flag, value, 1, 65535));
+        else if (flag == "--device") options.device = value;
+        else if (flag == "--max-size") options.max_size = static_cast<std::uint32_t>(echo::number(flag, value, 1, 1u << 30));
+        else if (flag == "--depth") options.depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 4096));
+        else if (flag == "--mode") options.mode = echo::mode_of(value);
         else throw echo::usage_error("unknown option " + flag);
     }
-    return c;
+    return options;
+}
+
+// The listening id, announced on stdout. Throws "cannot listen on ADDRESS: ..." (e.g. address in use).
+cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
+    const auto* at = reinterpret_cast<const sockaddr*>(&address);
+    cm_id listener(server.cm);
+    try {
+        listener.listen(at, 128);
+    } catch (const std::system_error& e) {
+        throw std::runtime_error("cannot listen on " + echo::text_of(at) + ": " + e.what());
+    }
+    // Bound to one device's address: its PD and channel now, so the first client waits less.
+    if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
+    const server_options& options = server.options;
+    std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
+                echo::text_of(at).c_str(), options.max_size, options.depth, echo::mode_name(options.mode));
+    std::fflush(stdout);
+    return listener;
 }
 
 } // namespace
 
 int main(int argc, char** argv) {
-    config cfg;
-    if (auto status = echo::parse_options("echo_server", usage, parse, argc, argv, cfg)) return *status;
+    server_options options;
+    if (auto status = echo::parse_options("echo_server", usage, parse, argc, argv, options)) return *status;
     try {
-        echo::check_device(cfg.device);
-        const sockaddr_storage at = echo::address_of(cfg.address, cfg.port);
+        echo::check_device(options.device);
+        const sockaddr_storage address = echo::address_of(options.address, options.port);
         const int signals = echo::signal_fd();
         io_context io;
-        server s(io, cfg);
-        cm_id listener(s.cm);
-        try {
-            listener.listen(reinterpret_cast<const sockaddr*>(&at), 128);
-        } catch (const std::system_error& e) {
-            throw std::runtime_error("cannot listen on " + echo::text_of(reinterpret_cast<const sockaddr*>(&at)) + ": " + e.what());
-        }
-        // Bound to one device's address: its PD and channel now, so the first client waits less.
-        if (listener.native()->verbs != nullptr) resources_for(s, listener.device());
-        std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
-                    echo::text_of(reinterpret_cast<const sockaddr*>(&at)).c_str(), cfg.max_size, cfg.depth,
-                    echo::mode_name(cfg.mode));
-        std::fflush(stdout);
-        io.spawn(watch_signals(s, signals));
-        io.spawn(accept_loop(s, listener));
+        echo_server server(io, options);
+        cm_id listener = listen_on(server, address);
+        io.spawn(watch_signals(server, signals));
+        io.spawn(accept_loop(server, listener));
         io.run(); // until a signal: the accept loop, then every connection, then the signal watch end
-        std::printf("echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n", s.served,
-                    static_cast<unsigned long long>(s.messages), static_cast<unsigned long long>(s.bytes));
+        std::printf("echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n", server.served,
+                    static_cast<unsigned long long>(server.messages), static_cast<unsigned long long>(server.bytes));
         ::close(signals);
         return 0;
     } catch (const std::exception& e) {
