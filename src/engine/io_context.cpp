@@ -1,4 +1,5 @@
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 
 #include <ringverbs/engine/detail/uring_hooks.hpp>
 
@@ -141,7 +142,7 @@ io_context::~io_context() {
         try {
             submit_and_reap(ready_.empty(), false);
         } catch (const std::exception& e) {
-            std::fprintf(stderr, "ringverbs: ~io_context: %s\n", e.what());
+            detail::diagnose("~io_context: %s", e.what());
             break;
         }
         resume_ready();
@@ -154,11 +155,10 @@ io_context::~io_context() {
         try {
             std::rethrow_exception(e);
         } catch (const std::exception& ex) {
-            std::fprintf(stderr, "ringverbs: exception from a spawned task lost at io_context "
-                                 "destruction: %s\n", ex.what());
+            detail::diagnose("exception from a spawned task lost at io_context destruction: %s",
+                             ex.what());
         } catch (...) {
-            std::fprintf(stderr, "ringverbs: exception from a spawned task lost at io_context "
-                                 "destruction\n");
+            detail::diagnose("exception from a spawned task lost at io_context destruction");
         }
     }
     while (posters_.load() != 0) std::this_thread::yield();

@@ -1,4 +1,5 @@
 #include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
@@ -75,7 +76,7 @@ void cq_state::arm() noexcept {
         return;
     }
     const std::system_error e = make_system_error(err, "ibv_req_notify_cq");
-    std::fprintf(stderr, "ringverbs: %s\n", e.what());
+    diagnose("%s", e.what());
     fail_waiters(e.code().value());
 }
 

@@ -1,4 +1,5 @@
 #include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
@@ -134,7 +135,7 @@ void qp_state::to_error() noexcept {
             qp.to_error();
         } catch (const std::exception& e) {
             // The flush timer still ends what is owed.
-            std::fprintf(stderr, "ringverbs: %s\n", e.what());
+            detail::diagnose("%s", e.what());
         }
         in_error = true;
     }
@@ -170,8 +171,8 @@ void qp_state::watch_flush() noexcept {
         io_uring_prep_timeout(sqe, &flush_ts, 0, 0);
         io_uring_sqe_set_data(sqe, static_cast<operation*>(&flush_timer));
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "ringverbs: qp %u: no flush timer (%s): its %zu owed requests end now\n",
-                     qp.qp_num(), e.what(), pending_count);
+        diagnose("qp %u: no flush timer (%s): its %zu owed requests end now", qp.qp_num(),
+                 e.what(), pending_count);
         reset(false);
         return;
     }
@@ -185,8 +186,8 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
     self->ctx->finish_background();
     if (self->pending_count > 0) {
         if (res == -ETIME) {
-            std::fprintf(stderr, "ringverbs: qp %u: %zu requests still not flushed %lld ms after the QP "
-                                 "entered the error state: QP reset, their awaits end as never flushed\n",
+            diagnose("qp %u: %zu requests still not flushed %lld ms after the QP entered the "
+                     "error state: QP reset, their awaits end as never flushed",
                          self->qp.qp_num(), self->pending_count,
                          static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                                     self->flush_timeout).count()));
@@ -207,7 +208,7 @@ void qp_state::reset(bool never_flushed) noexcept {
     try {
         qp.reset(); // from here on the device produces no completion for this QP
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "ringverbs: %s\n", e.what());
+        diagnose("%s", e.what());
     }
     in_error = false; // RESET now; connecting it again is the user's
     // What the device delivered before the reset names live awaiters: dispatch it.
@@ -279,8 +280,8 @@ qp::request::~request() {
     if (posted_ && !done_) {
         // Posted with post() and never awaited: the request still owns its buffer and its
         // wr_id names this object. Reset the QP: nothing can name us after that.
-        std::fprintf(stderr, "ringverbs: %s: a posted request was destroyed before its "
-                             "completion; qp %u is reset\n", name_, qp_->qp.qp_num());
+        detail::diagnose("%s: a posted request was destroyed before its completion; qp %u is reset",
+                         name_, qp_->qp.qp_num());
         abandon();
     }
 }

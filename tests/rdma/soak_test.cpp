@@ -10,6 +10,7 @@
 #include "chaos_hooks.hpp"
 #include "rdma_fixture.hpp"
 
+#include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/engine/timer.hpp>
@@ -20,9 +21,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -30,6 +33,7 @@
 #include <random>
 #include <stop_token>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -410,6 +414,22 @@ private:
 
 } // namespace
 
+namespace {
+// The library's diagnostics during the soak (QP resets when flushes never came, ...): counted,
+// the first few kept for the log, instead of a line each on stderr.
+std::atomic<std::uint64_t> diagnostics_seen{0};
+char first_diagnostics[3][256];
+
+void count_diagnostic(std::string_view message) noexcept {
+    const std::uint64_t n = diagnostics_seen.fetch_add(1);
+    if (n < std::size(first_diagnostics)) {
+        const std::size_t len = std::min(message.size(), sizeof first_diagnostics[n] - 1);
+        std::memcpy(first_diagnostics[n], message.data(), len);
+        first_diagnostics[n][len] = 0;
+    }
+}
+} // namespace
+
 TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns and injected "
           "faults: every await ends exactly once, every byte is right, nothing leaks") {
     const std::uint64_t seed = env_u64("RINGVERBS_SEED", std::random_device{}());
@@ -426,6 +446,7 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
     std::uint64_t ok = 0, flushed = 0, timed_out = 0, cancelled = 0, never_flushed = 0,
                   other_error = 0, not_posted = 0;
     std::size_t held_at_end = 0;
+    const diagnostics_sink default_sink = set_diagnostics_sink(&count_diagnostic);
     {
         device dev;
         // Small rings: the submission ring fills up, timer bursts overflow the completion ring.
@@ -581,8 +602,14 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         for (int i = 0; i < 1000 && io.waiters() > 0; ++i) io.run_once(false);
         CHECK(io.waiters() == 0);
     }
+    set_diagnostics_sink(default_sink);
     const int qps_after = kernel_qps_of_this_process();
     const std::uint64_t lost = issued - ended;
+    const std::uint64_t diagnostics = diagnostics_seen.load();
+    std::printf("soak: %llu diagnostics from the library (sink), the first ones:\n",
+                static_cast<unsigned long long>(diagnostics));
+    for (std::uint64_t i = 0; i < std::min<std::uint64_t>(diagnostics, std::size(first_diagnostics)); ++i)
+        std::printf("soak:   %s\n", first_diagnostics[i]);
     std::printf("soak: %llu requests: %llu ok, %llu flushed, %llu timed out, %llu cancelled, "
                 "%llu never flushed, %llu other errors, %llu posts refused; lost %llu, "
                 "duplicated %llu, corrupted %llu\n",
@@ -607,7 +634,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
             ", \"corrupted\": " + std::to_string(corrupted) + ", \"hangs\": " + std::to_string(hangs) +
             ", \"seed\": " + std::to_string(seed) + ", \"kernel_qps_before\": " +
             std::to_string(qps_before) + ", \"kernel_qps_during\": " + std::to_string(qps_during) +
-            ", \"kernel_qps_after\": " + std::to_string(qps_after) + "}\n";
+            ", \"kernel_qps_after\": " + std::to_string(qps_after) +
+            ", \"diagnostics\": " + std::to_string(diagnostics) + "}\n";
     if (const char* path = std::getenv("RINGVERBS_FAULTS_JSON"); path != nullptr && *path != 0) {
         // The folder may not exist yet (a fresh build: the benchmarks make it later).
         std::error_code ec;
