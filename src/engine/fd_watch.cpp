@@ -34,15 +34,15 @@ fd_watch* fd_watch::start(io_context& ctx, int fd, std::shared_ptr<void> keep_op
 }
 
 void fd_watch::arm() {
-    io_uring_sqe* sqe = ctx_->get_sqe();
+    io_uring_sqe* sqe = detail::loop(*ctx_).get_sqe();
     io_uring_prep_poll_multishot(sqe, fd_, events_);
     io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
     in_flight_ = true;
-    ctx_->start_background();
+    detail::loop(*ctx_).start_background();
 }
 
 void fd_watch::release() noexcept {
-    ctx_->dequeue_poller(&retry_);
+    detail::loop(*ctx_).dequeue_poller(&retry_);
     if (!in_flight_) {
         delete this;
         return;
@@ -50,7 +50,7 @@ void fd_watch::release() noexcept {
     owner_ = nullptr;
     if (ctx_->shutting_down()) return; // ~io_context's cancel-all reaps the poll
     try {
-        ctx_->cancel(this);
+        detail::loop(*ctx_).cancel(this);
     } catch (...) {
         // The ring is unusable; ~io_context's cancel-all reaps the poll.
     }
@@ -74,7 +74,7 @@ void fd_watch::rearm_or_retry() noexcept {
             return;
         }
         ++retries_;
-        ctx_->queue_poller(&retry_);
+        detail::loop(*ctx_).queue_poller(&retry_);
     }
 }
 
@@ -89,7 +89,7 @@ void fd_watch::cqe(operation* op, int res, unsigned flags) noexcept {
     const bool final_cqe = !(flags & IORING_CQE_F_MORE);
     if (final_cqe) {
         w->in_flight_ = false;
-        w->ctx_->finish_background();
+        detail::loop(*w->ctx_).finish_background();
     }
     if (w->owner_ == nullptr) { // orphaned: the owner is gone, the fd closes with us
         if (final_cqe) delete w;

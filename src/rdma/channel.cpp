@@ -20,7 +20,7 @@ channel_state::channel_state(io_context& c, const verbs::context& dev, const cha
     service.run = [](poller* p) noexcept { static_cast<service_poller*>(p)->owner->run_service(); };
     if (options.mode == polling_mode::busy) {
         spinning = true; // never armed: no fd to watch
-        ctx->queue_poller(&service);
+        detail::loop(*ctx).queue_poller(&service);
         return;
     }
     watch = fd_watch::start(
@@ -30,13 +30,13 @@ channel_state::channel_state(io_context& c, const verbs::context& dev, const cha
             if (ch->error != 0) return;
             ++ch->counters.wakeups;
             ch->fd_ready = true;
-            ch->ctx->queue_poller(&ch->service);
+            detail::loop(*ch->ctx).queue_poller(&ch->service);
         },
         [](void* self, int err) noexcept { static_cast<channel_state*>(self)->fail(err); });
 }
 
 channel_state::~channel_state() {
-    ctx->dequeue_poller(&service);
+    detail::loop(*ctx).dequeue_poller(&service);
     if (watch) watch->release();
 }
 
@@ -128,7 +128,7 @@ void channel_state::run_service() noexcept {
         }
         if (read_again) {
             fd_ready = true;
-            ctx->queue_poller(&service);
+            detail::loop(*ctx).queue_poller(&service);
         }
     }
     if (rearm_due && !spinning) found += rearm_unarmed();
@@ -138,26 +138,26 @@ void channel_state::run_service() noexcept {
             auto now = std::chrono::steady_clock::now();
             adapt_spin(now - last_completion);
             last_completion = now;
-            ctx->queue_poller(&service);
+            detail::loop(*ctx).queue_poller(&service);
         }
         return;
     }
     // busy, or hybrid inside its spin window: poll everything, arm nothing.
     for (cq_state* c : cqs) found += drain_cq(*c);
     if (options.mode == polling_mode::busy) {
-        ctx->queue_poller(&service);
+        detail::loop(*ctx).queue_poller(&service);
         return;
     }
     // Reading the clock can be a system call (a VM whose clocksource is the HPET): read it
     // when completions arrive and on every 32nd empty turn only.
     if (found == 0 && (++spin_turns & 31u) != 0) {
-        ctx->queue_poller(&service);
+        detail::loop(*ctx).queue_poller(&service);
         return;
     }
     auto now = std::chrono::steady_clock::now();
     if (found > 0) last_completion = now;
     if (now - last_completion < spin_window) {
-        ctx->queue_poller(&service);
+        detail::loop(*ctx).queue_poller(&service);
         return;
     }
     // The spin window is over: arm every CQ, then poll once more so that a completion that
@@ -174,7 +174,7 @@ void channel_state::run_service() noexcept {
     if (late > 0) {
         spinning = true;
         last_completion = now;
-        ctx->queue_poller(&service);
+        detail::loop(*ctx).queue_poller(&service);
     }
 }
 

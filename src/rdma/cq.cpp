@@ -72,7 +72,7 @@ void cq_state::arm() noexcept {
         // (and polls it) on the next turn.
         ++channel->counters.arm_retries;
         channel->rearm_due = true;
-        channel->ctx->queue_poller(&channel->service);
+        detail::loop(*channel->ctx).queue_poller(&channel->service);
         return;
     }
     const std::system_error e = make_system_error(err, "ibv_req_notify_cq");

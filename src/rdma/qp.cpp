@@ -101,7 +101,7 @@ void qp_state::owed_nothing() noexcept {
     while (waiter* w = close_waiters.pop_front()) w->fulfil(0);
     if (!flush_timer_armed) return;
     try {
-        ctx->cancel(&flush_timer);
+        detail::loop(*ctx).cancel(&flush_timer);
     } catch (...) {
         // The ring is unusable: the timer fires on its own and finds nothing owed.
     }
@@ -166,7 +166,7 @@ void qp_state::watch_flush() noexcept {
         return;
     }
     try {
-        io_uring_sqe* sqe = ctx->get_sqe();
+        io_uring_sqe* sqe = detail::loop(*ctx).get_sqe();
         flush_ts = to_kernel_timespec(flush_timeout);
         io_uring_prep_timeout(sqe, &flush_ts, 0, 0);
         io_uring_sqe_set_data(sqe, static_cast<operation*>(&flush_timer));
@@ -177,13 +177,13 @@ void qp_state::watch_flush() noexcept {
         return;
     }
     flush_timer_armed = true;
-    ctx->start_background();
+    detail::loop(*ctx).start_background();
 }
 
 void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
     qp_state* self = static_cast<flush_timer_op*>(op)->owner;
     self->flush_timer_armed = false;
-    self->ctx->finish_background();
+    detail::loop(*self->ctx).finish_background();
     if (self->pending_count > 0) {
         if (res == -ETIME) {
             diagnose("qp %u: %zu requests still not flushed %lld ms after the QP entered the "

@@ -42,7 +42,7 @@ std::optional<cq_event> completion_channel::get_event() {
         if (err == EAGAIN || err == EWOULDBLOCK) return std::nullopt;
         throw_system_error(errno_or_eio(err), "ibv_get_cq_event");
     }
-    auto* state = static_cast<detail::cq_state*>(cq_context);
+    auto* state = static_cast<detail::owned_cq*>(cq_context);
     state->unacked.fetch_add(1, std::memory_order_relaxed);
     return cq_event{cq, state->user_context};
 }

@@ -6,7 +6,7 @@ namespace ringverbs::verbs {
 
 namespace detail {
 
-cq_state::~cq_state() {
+owned_cq::~owned_cq() {
     if (cq == nullptr) return;
     if (const std::uint32_t n = unacked.exchange(0); n != 0) ibv_ack_cq_events(cq, n);
     // EBUSY is impossible here: QPs hold a share of this state, so none can still use the CQ.
@@ -29,7 +29,7 @@ completion_queue::completion_queue(const context& ctx, int entries,
                                        std::to_string(ctx.num_comp_vectors()) +
                                        " completion vectors (0 .. num_comp_vectors() - 1)");
 
-    auto state = std::make_shared<detail::cq_state>();
+    auto state = std::make_shared<detail::owned_cq>();
     state->user_context = user_context;
     state->comp_vector = comp_vector;
     state->ctx = ctx.handle();

@@ -328,7 +328,7 @@ struct handoff {
     std::coroutine_handle<> waiter;
     long pending = 0;
     void signal() {
-        if (waiter) io->ready(std::exchange(waiter, {}));
+        if (waiter) ringverbs::detail::loop(*io).ready(std::exchange(waiter, {}));
         else ++pending;
     }
     auto wait() noexcept {

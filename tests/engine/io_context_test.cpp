@@ -246,7 +246,7 @@ TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop
     } op;
     op.ctx = &io;
     op.on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
-        io_uring* ring = static_cast<filler*>(self)->ctx->native_ring();
+        io_uring* ring = ringverbs::detail::loop(*static_cast<filler*>(self)->ctx).native_ring();
         while (io_uring_sq_space_left(ring) > 0) {
             io_uring_sqe* s = io_uring_get_sqe(ring);
             io_uring_prep_nop(s);
@@ -255,7 +255,7 @@ TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop
         ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
     };
     const auto real_submit = ringverbs::detail::io_uring_hooks().submit;
-    io_uring_sqe* sqe = io.get_sqe();
+    io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
     io_uring_prep_nop(sqe);
     io_uring_sqe_set_data(sqe, static_cast<ringverbs::detail::operation*>(&op));
     std::atomic<int> posted{0};

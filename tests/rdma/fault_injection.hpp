@@ -143,7 +143,7 @@ private:
 class refuse_submission {
 public:
     explicit refuse_submission(ringverbs::io_context& io) noexcept {
-        io_uring* ring = io.native_ring();
+        io_uring* ring = ringverbs::detail::loop(io).native_ring();
         while (io_uring_sq_space_left(ring) > 0) {
             io_uring_sqe* sqe = io_uring_get_sqe(ring);
             io_uring_prep_nop(sqe);

@@ -68,6 +68,7 @@ struct io_context_options {
 
 namespace detail {
 struct spawned_promise;
+class io_context_access;
 template <typename T>
 struct root_promise;
 } // namespace detail
@@ -155,8 +156,13 @@ public:
     std::size_t operations_in_flight() const noexcept { return in_flight_ + background_; }
     std::size_t waiters() const noexcept { return waiting_; }
 
-    // --- For awaitable implementers -------------------------------------------------------
-    // Everything below is called on the context's thread only (push_remote excepted).
+    // True while the destructor drains: new operations must complete at once as cancelled.
+    bool shutting_down() const noexcept { return shutting_down_; }
+
+private:
+    // For awaitable implementers (ringverbs' own layers), through detail::loop(ctx): called on
+    // the context's thread only (push_remote excepted).
+    friend class detail::io_context_access;
 
     // Returns a free SQE and guarantees `reserve - 1` more after it (for linked requests:
     // take those with io_uring_get_sqe(native_ring()), which cannot fail then), submitting
@@ -185,11 +191,8 @@ public:
     // sleep: a poller that spins (busy polling) re-queues itself every turn.
     void queue_poller(detail::poller* p) noexcept;
     void dequeue_poller(detail::poller* p) noexcept;
-    // True while the destructor drains: new operations must complete at once as cancelled.
-    bool shutting_down() const noexcept { return shutting_down_; }
     io_uring* native_ring() noexcept { return &ring_; }
 
-private:
     friend struct detail::spawned_promise;
     template <typename T>
     friend struct detail::root_promise;
@@ -241,6 +244,33 @@ private:
 
 // ---------------------------------------------------------------------------------------
 namespace detail {
+
+// What ringverbs' own awaitables and event sources use of an io_context (not for users):
+// detail::loop(ctx).get_sqe(), .ready(h), .queue_poller(p)... Each call is the io_context's own
+// member of that name, documented there.
+class io_context_access {
+public:
+    explicit io_context_access(io_context& ctx) noexcept : ctx_(&ctx) {}
+    io_uring_sqe* get_sqe(unsigned reserve = 1) { return ctx_->get_sqe(reserve); }
+    void start_operation() noexcept { ctx_->start_operation(); }
+    void finish_operation() noexcept { ctx_->finish_operation(); }
+    void start_background() noexcept { ctx_->start_background(); }
+    void finish_background() noexcept { ctx_->finish_background(); }
+    void add_waiter() noexcept { ctx_->add_waiter(); }
+    void remove_waiter() noexcept { ctx_->remove_waiter(); }
+    void ready(std::coroutine_handle<> h) { ctx_->ready(h); }
+    void cancel(operation* op) { ctx_->cancel(op); }
+    void push_remote(remote_node* node) noexcept { ctx_->push_remote(node); }
+    void queue_poller(poller* p) noexcept { ctx_->queue_poller(p); }
+    void dequeue_poller(poller* p) noexcept { ctx_->dequeue_poller(p); }
+    io_uring* native_ring() noexcept { return ctx_->native_ring(); }
+
+private:
+    io_context* ctx_;
+};
+
+inline io_context_access loop(io_context& ctx) noexcept { return io_context_access(ctx); }
+
 
 // The coroutine that owns a spawned task. Its frame destroys itself at the end; while it is
 // suspended it sits in the context's list so that ~io_context can destroy it.

@@ -23,7 +23,7 @@ namespace detail {
 // What a completion_queue owns, at a stable address: ibv_cq::cq_context points here so that a
 // completion_channel can count events against the right CQ without knowing its wrapper (which
 // may move). The destructor acks whatever is still unacked, then destroys the CQ.
-struct cq_state {
+struct owned_cq {
     ibv_cq* cq = nullptr;
     // Events handed out by completion_channel::get_event() and not yet acked. ibv_destroy_cq
     // blocks until every event it reported has been acked, so this must reach 0 before it runs.
@@ -33,10 +33,10 @@ struct cq_state {
     std::shared_ptr<ibv_context> ctx;
     std::shared_ptr<ibv_comp_channel> channel;
 
-    cq_state() = default;
-    cq_state(const cq_state&) = delete;
-    cq_state& operator=(const cq_state&) = delete;
-    ~cq_state();
+    owned_cq() = default;
+    owned_cq(const owned_cq&) = delete;
+    owned_cq& operator=(const owned_cq&) = delete;
+    ~owned_cq();
 };
 
 // Out-of-line throw for a negative ibv_poll_cq result.
@@ -128,7 +128,7 @@ class completion_queue {
     }
 
   private:
-    std::shared_ptr<detail::cq_state> state_;
+    std::shared_ptr<detail::owned_cq> state_;
 };
 
 } // namespace ringverbs::verbs

@@ -56,17 +56,17 @@ public:
     void await_suspend(std::coroutine_handle<> h) {
         handle_ = h;
         const bool timed = options_.timeout != wait_options::no_timeout;
-        io_uring_sqe* sqe = ctx_->get_sqe(timed ? 2 : 1);
+        io_uring_sqe* sqe = detail::loop(*ctx_).get_sqe(timed ? 2 : 1);
         prep_(sqe);
         io_uring_sqe_set_data(sqe, static_cast<operation*>(this));
         if (timed) {
             sqe->flags |= IOSQE_IO_LINK;
             ts_ = to_kernel_timespec(options_.timeout);
-            io_uring_sqe* t = io_uring_get_sqe(ctx_->native_ring());
+            io_uring_sqe* t = io_uring_get_sqe(detail::loop(*ctx_).native_ring());
             io_uring_prep_link_timeout(t, &ts_, 0);
             io_uring_sqe_set_data64(t, ignored_user_data);
         }
-        ctx_->start_operation();
+        detail::loop(*ctx_).start_operation();
         gate_.arm(*ctx_, options_.stop, this, &io_awaiter::on_stop, &io_awaiter::on_resume);
     }
 
@@ -89,13 +89,13 @@ private:
     static void complete(operation* op, int res, unsigned) noexcept {
         auto* self = static_cast<io_awaiter*>(op);
         self->res_ = res;
-        self->ctx_->finish_operation();
-        if (self->gate_.finish()) self->ctx_->ready(self->handle_);
+        detail::loop(*self->ctx_).finish_operation();
+        if (self->gate_.finish()) detail::loop(*self->ctx_).ready(self->handle_);
     }
     static bool on_stop(void* owner) noexcept {
         auto* self = static_cast<io_awaiter*>(owner);
         try {
-            self->ctx_->cancel(self);
+            detail::loop(*self->ctx_).cancel(self);
         } catch (...) {
             // The ring is unusable; the operation completes on its own or at destruction.
         }
@@ -103,7 +103,7 @@ private:
     }
     static void on_resume(void* owner) noexcept {
         auto* self = static_cast<io_awaiter*>(owner);
-        self->ctx_->ready(self->handle_);
+        detail::loop(*self->ctx_).ready(self->handle_);
     }
 
     io_context* ctx_;

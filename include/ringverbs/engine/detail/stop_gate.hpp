@@ -75,7 +75,7 @@ private:
             std::uint8_t expected = armed;
             if (gate->state_.compare_exchange_strong(expected, stop_queued,
                                                      std::memory_order_acq_rel))
-                gate->ctx_->push_remote(gate);
+                detail::loop(*gate->ctx_).push_remote(gate);
         }
     };
 

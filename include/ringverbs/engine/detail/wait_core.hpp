@@ -46,7 +46,7 @@ public:
     // naming io_uring_submit (a full submission ring that cannot be submitted): call it
     // before the wait is linked anywhere or anything is posted.
     static io_uring_sqe* reserve_timer(io_context& ctx, const wait_options& options) {
-        return options.timeout == wait_options::no_timeout ? nullptr : ctx.get_sqe();
+        return options.timeout == wait_options::no_timeout ? nullptr : detail::loop(ctx).get_sqe();
     }
     // Gives back an SQE reserve_timer() took when the wait is not started after all.
     static void unreserve(io_uring_sqe* sqe) noexcept {
@@ -63,13 +63,13 @@ public:
         handle_ = h;
         interrupt_ = interrupt;
         phase_ = phase::waiting;
-        ctx.add_waiter();
+        detail::loop(ctx).add_waiter();
         if (timer_sqe != nullptr) {
             ts_ = to_kernel_timespec(options.timeout);
             io_uring_prep_timeout(timer_sqe, &ts_, 0, 0);
             io_uring_sqe_set_data(timer_sqe, static_cast<operation*>(this));
             timer_pending_ = true;
-            ctx.start_operation();
+            detail::loop(ctx).start_operation();
         }
         gate_.arm(ctx, options.stop, this, &wait_core::on_stop, &wait_core::on_resume);
     }
@@ -102,12 +102,12 @@ private:
         if (gate_.finish()) resume();
     }
     void resume() noexcept {
-        ctx_->remove_waiter();
-        ctx_->ready(handle_);
+        detail::loop(*ctx_).remove_waiter();
+        detail::loop(*ctx_).ready(handle_);
     }
     void cancel_timer() noexcept {
         try {
-            ctx_->cancel(this);
+            detail::loop(*ctx_).cancel(this);
         } catch (...) {
             // The ring is unusable: the timer still fires on its own.
         }
@@ -124,7 +124,7 @@ private:
     static void timer_fired(operation* op, int, unsigned) noexcept {
         auto* self = static_cast<wait_core*>(op);
         self->timer_pending_ = false;
-        self->ctx_->finish_operation();
+        detail::loop(*self->ctx_).finish_operation();
         self->interrupt(self->ctx_->shutting_down() ? ECANCELED : ETIMEDOUT);
         if (self->phase_ == phase::decided) self->finish();
     }
