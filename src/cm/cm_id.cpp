@@ -45,7 +45,7 @@ const char* reject_reason_text(int reason) noexcept {
     case 25: return "port redirect";
     case 26: return "invalid MTU";
     case 27: return "insufficient responder resources";
-    case 28: return "rejected by the peer application";
+    case detail::ib_cm_consumer_reject: return "rejected by the peer application";
     case 29: return "invalid RNR retry";
     case 30: return "duplicate local communication id";
     case 31: return "invalid class version";
