@@ -45,7 +45,7 @@ const char* reject_reason_text(int reason) noexcept {
     case 25: return "port redirect";
     case 26: return "invalid MTU";
     case 27: return "insufficient responder resources";
-    case 28: return "rejected by the peer application";
+    case detail::ib_cm_consumer_reject: return "rejected by the peer application";
     case 29: return "invalid RNR retry";
     case 30: return "duplicate local communication id";
     case 31: return "invalid class version";
@@ -169,6 +169,46 @@ void cm_channel_state::drain() noexcept {
     }
 }
 
+namespace {
+
+// The outcome of the step `s` has in flight (resolve, connect, accept_connection) goes to its
+// waiter.
+void deliver_step_outcome(cm_id_state& s, const rdma_cm_event& ev) noexcept {
+    cm_event_data d;
+    d.type = ev.event;
+    d.status = ev.status;
+    try {
+        d.private_data = copy_private_data(ev);
+    } catch (...) {
+        // Out of memory: the outcome still counts, without its private data.
+    }
+    // Nobody waits (the step's wait timed out or was stopped): the outcome goes unheard.
+    if (waiter* w = s.op_waiters.pop_front()) {
+        static_cast<cm_step_waiter*>(w)->result = std::move(d);
+        w->fulfil(0);
+    }
+}
+
+// DISCONNECTED is sticky: it resumes disconnect() / disconnected() and ends a step in flight.
+void deliver_disconnected(cm_id_state& s, const rdma_cm_event& ev) noexcept {
+    // The peer's DREQ (or the answer to ours). Unless we disconnected first, answer it:
+    // rdma_disconnect moves our QP to the error state, so every request still posted on
+    // it completes (flushed) and no awaiter of it is left hanging, and sends the DREP.
+    if (!s.disconnect_sent && ev.id->qp != nullptr) {
+        s.disconnect_sent = true;
+        rdma_disconnect(ev.id); // best effort: the connection is gone either way
+    }
+    s.disconnected = true;
+    s.connected = false;
+    while (waiter* w = s.disconnect_waiters.pop_front()) w->fulfil(0);
+    if (waiter* w = s.op_waiters.pop_front()) {
+        static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
+        w->fulfil(0);
+    }
+}
+
+} // namespace
+
 void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
     auto* s = static_cast<cm_id_state*>(ev.id->context);
     if (s == nullptr) return;
@@ -183,37 +223,11 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
     case RDMA_CM_EVENT_CONNECT_RESPONSE:
     case RDMA_CM_EVENT_CONNECT_ERROR:
     case RDMA_CM_EVENT_UNREACHABLE:
-    case RDMA_CM_EVENT_REJECTED: {
-        cm_event_data d;
-        d.type = ev.event;
-        d.status = ev.status;
-        try {
-            d.private_data = copy_private_data(ev);
-        } catch (...) {
-            // Out of memory: the outcome still counts, without its private data.
-        }
-        // Nobody waits (the step's wait timed out or was stopped): the outcome goes unheard.
-        if (waiter* w = s->op_waiters.pop_front()) {
-            static_cast<cm_step_waiter*>(w)->result = std::move(d);
-            w->fulfil(0);
-        }
+    case RDMA_CM_EVENT_REJECTED:
+        deliver_step_outcome(*s, ev);
         break;
-    }
     case RDMA_CM_EVENT_DISCONNECTED:
-        // The peer's DREQ (or the answer to ours). Unless we disconnected first, answer it:
-        // rdma_disconnect moves our QP to the error state, so every request still posted on
-        // it completes (flushed) and no awaiter of it is left hanging, and sends the DREP.
-        if (!s->disconnect_sent && ev.id->qp != nullptr) {
-            s->disconnect_sent = true;
-            rdma_disconnect(ev.id); // best effort: the connection is gone either way
-        }
-        s->disconnected = true;
-        s->connected = false;
-        while (waiter* w = s->disconnect_waiters.pop_front()) w->fulfil(0);
-        if (waiter* w = s->op_waiters.pop_front()) {
-            static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
-            w->fulfil(0);
-        }
+        deliver_disconnected(*s, ev);
         break;
     case RDMA_CM_EVENT_DEVICE_REMOVAL:
         s->fail_all(ENODEV);

@@ -47,10 +47,13 @@ void channel_state::fail(int err) noexcept {
     for (cq_state* c : cqs) c->fail_waiters(err);
 }
 
+// The most completions drain_cq takes per ibv_poll_cq, whatever poll_batch asks (its stack array).
+constexpr std::size_t max_poll_batch = 64;
+
 // Polls `c` until it is empty, dispatching every completion. Returns how many.
 std::size_t channel_state::drain_cq(cq_state& c) noexcept {
-    ibv_wc wcs[64];
-    const std::size_t batch = std::min<std::size_t>(options.poll_batch, 64);
+    ibv_wc wcs[max_poll_batch];
+    const std::size_t batch = std::min<std::size_t>(options.poll_batch, max_poll_batch);
     std::size_t total = 0;
     for (;;) {
         const int got = hooks().poll_cq(c.cq.native(), static_cast<int>(batch), wcs);
@@ -84,70 +87,110 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
 void channel_state::run_service() noexcept {
     std::size_t found = 0;
     if (fd_ready) {
-        fd_ready = false;
-        fired.clear();
-        // Read until EAGAIN, or until every armed CQ has had its one event: then nothing can
-        // be pending, and the read that would say EAGAIN is saved. At least one read per
-        // wakeup, whatever the count says: the fd is readable, and an event left unread
-        // would make the level-triggered poll fire on every turn.
-        bool read_again = false;
-        for (bool first = true; first || armed_cqs > 0; first = false) {
-            std::optional<verbs::cq_event> ev;
-            try {
-                ev = channel.get_event();
-            } catch (const std::system_error& e) {
-                if (e.code().value() != EINTR) {
-                    fail(e.code().value());
-                    return;
-                }
-                // Interrupted: the event is still there, and the multishot poll reports the
-                // fd only on a new wakeup. Read again on the next turn.
-                read_again = true;
-                break;
-            }
-            if (!ev) break;
-            ++counters.events;
-            auto* c = static_cast<cq_state*>(ev->user_context);
-            ++c->counters.events;
-            c->set_armed(false);
-            if (std::find(fired.begin(), fired.end(), c) == fired.end()) fired.push_back(c);
-        }
-        for (cq_state* c : fired) {
-            if (c->cq.unacked_events() >= options.ack_batch) {
-                std::uint32_t n = c->cq.unacked_events();
-                c->cq.ack_events(n);
-                ++counters.acks;
-                ++c->counters.acks;
-                c->counters.acked_events += n;
-            }
-            if (!spinning) {
-                c->arm();
-                ++counters.arms;
-            }
-            found += drain_cq(*c);
-        }
-        if (read_again) {
-            fd_ready = true;
-            detail::loop(*ctx).queue_poller(&service);
-        }
+        const std::optional<std::size_t> got = handle_wakeup();
+        if (!got) return; // the channel failed
+        found = *got;
     }
     if (rearm_due && !spinning) found += rearm_unarmed();
     if (!spinning) {
-        if (found > 0 && options.mode == polling_mode::hybrid) {
-            spinning = true;
-            auto now = std::chrono::steady_clock::now();
-            adapt_spin(now - last_completion);
-            last_completion = now;
-            detail::loop(*ctx).queue_poller(&service);
-        }
+        // events, or hybrid asleep: completions that woke a hybrid channel open its window.
+        if (found > 0 && options.mode == polling_mode::hybrid) start_spin();
         return;
     }
-    // busy, or hybrid inside its spin window: poll everything, arm nothing.
-    for (cq_state* c : cqs) found += drain_cq(*c);
-    if (options.mode == polling_mode::busy) {
+    if (options.mode == polling_mode::busy)
+        busy_pass();
+    else
+        spin_pass(found);
+}
+
+// The fd was reported readable: reads its events, then counts, arms and polls each CQ that
+// fired. Returns the completions found, or nothing when the channel failed.
+std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
+    fd_ready = false;
+    const event_read read = read_events();
+    if (read == event_read::failed) return std::nullopt;
+    std::size_t found = 0;
+    for (cq_state* c : fired) found += service_fired(*c);
+    if (read == event_read::interrupted) {
+        fd_ready = true;
         detail::loop(*ctx).queue_poller(&service);
-        return;
     }
+    return found;
+}
+
+// Collects the CQs with an event this turn in `fired`, each marked disarmed.
+channel_state::event_read channel_state::read_events() noexcept {
+    fired.clear();
+    // Read until EAGAIN, or until every armed CQ has had its one event: then nothing can
+    // be pending, and the read that would say EAGAIN is saved. At least one read per
+    // wakeup, whatever the count says: the fd is readable, and an event left unread
+    // would make the level-triggered poll fire on every turn.
+    for (bool first = true; first || armed_cqs > 0; first = false) {
+        std::optional<verbs::cq_event> ev;
+        try {
+            ev = channel.get_event();
+        } catch (const std::system_error& e) {
+            if (e.code().value() != EINTR) {
+                fail(e.code().value());
+                return event_read::failed;
+            }
+            // Interrupted: the event is still there, and the multishot poll reports the
+            // fd only on a new wakeup. Read again on the next turn.
+            return event_read::interrupted;
+        }
+        if (!ev) break;
+        ++counters.events;
+        auto* c = static_cast<cq_state*>(ev->user_context);
+        ++c->counters.events;
+        c->set_armed(false);
+        if (std::find(fired.begin(), fired.end(), c) == fired.end()) fired.push_back(c);
+    }
+    return event_read::all_read;
+}
+
+// A CQ that had an event: acks its events once ack_batch are unacked, re-arms it (unless
+// spinning), then polls it until empty. Returns the completions found.
+std::size_t channel_state::service_fired(cq_state& c) noexcept {
+    if (c.cq.unacked_events() >= options.ack_batch) {
+        std::uint32_t n = c.cq.unacked_events();
+        c.cq.ack_events(n);
+        ++counters.acks;
+        ++c.counters.acks;
+        c.counters.acked_events += n;
+    }
+    if (!spinning) {
+        c.arm();
+        ++counters.arms;
+    }
+    return drain_cq(c);
+}
+
+// hybrid, woken from its sleep by completions: spin from now on.
+void channel_state::start_spin() noexcept {
+    spinning = true;
+    auto now = std::chrono::steady_clock::now();
+    adapt_spin(now - last_completion);
+    last_completion = now;
+    detail::loop(*ctx).queue_poller(&service);
+}
+
+// busy, or hybrid inside its spin window: poll everything, arm nothing.
+std::size_t channel_state::poll_all() noexcept {
+    std::size_t found = 0;
+    for (cq_state* c : cqs) found += drain_cq(*c);
+    return found;
+}
+
+// busy: poll every CQ on every turn, for ever.
+void channel_state::busy_pass() noexcept {
+    poll_all();
+    detail::loop(*ctx).queue_poller(&service);
+}
+
+// hybrid inside its spin window (`found`: completions of this pass so far): poll every CQ,
+// and once the window after the last completion is over, arm and sleep.
+void channel_state::spin_pass(std::size_t found) noexcept {
+    found += poll_all();
     // Reading the clock can be a system call (a VM whose clocksource is the HPET): read it
     // when completions arrive and on every 32nd empty turn only.
     if (found == 0 && (++spin_turns & 31u) != 0) {
@@ -160,8 +203,12 @@ void channel_state::run_service() noexcept {
         detail::loop(*ctx).queue_poller(&service);
         return;
     }
-    // The spin window is over: arm every CQ, then poll once more so that a completion that
-    // arrived before its arm is not left waiting for an event that will never come.
+    end_spin(now);
+}
+
+// The spin window is over: arm every CQ, then poll once more so that a completion that
+// arrived before its arm is not left waiting for an event that will never come.
+void channel_state::end_spin(std::chrono::steady_clock::time_point now) noexcept {
     spinning = false;
     std::size_t late = 0;
     for (cq_state* c : cqs) {

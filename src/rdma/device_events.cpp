@@ -66,6 +66,48 @@ void device_events::state::fail(int err) noexcept {
     while (detail::waiter* w = waiters.pop_front()) w->fulfil(err);
 }
 
+namespace {
+
+// Copies what the event names, before it is acked.
+async_event copy_event(const ibv_async_event& ev) noexcept {
+    async_event e;
+    e.type = ev.event_type;
+    switch (ev.event_type) {
+    case IBV_EVENT_CQ_ERR:
+        e.cq = ev.element.cq;
+        break;
+    case IBV_EVENT_QP_FATAL:
+    case IBV_EVENT_QP_REQ_ERR:
+    case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST:
+    case IBV_EVENT_SQ_DRAINED:
+    case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR:
+    case IBV_EVENT_QP_LAST_WQE_REACHED:
+        e.qp = ev.element.qp;
+        e.qp_num = ev.element.qp->qp_num; // alive: its destroy waits for our ack
+        break;
+    case IBV_EVENT_SRQ_ERR:
+    case IBV_EVENT_SRQ_LIMIT_REACHED:
+        e.srq = ev.element.srq;
+        break;
+    case IBV_EVENT_PORT_ACTIVE:
+    case IBV_EVENT_PORT_ERR:
+    case IBV_EVENT_LID_CHANGE:
+    case IBV_EVENT_PKEY_CHANGE:
+    case IBV_EVENT_SM_CHANGE:
+    case IBV_EVENT_CLIENT_REREGISTER:
+    case IBV_EVENT_GID_CHANGE:
+        e.port = ev.element.port_num;
+        break;
+    default:
+        break;
+    }
+    return e;
+}
+
+} // namespace
+
 // Reads until EAGAIN; each event is copied, routed and acked before the next is read.
 void device_events::state::drain() noexcept {
     if (error != 0) return;
@@ -79,53 +121,26 @@ void device_events::state::drain() noexcept {
             return;
         }
         ++counters.events;
-        async_event e;
-        e.type = ev.event_type;
-        switch (ev.event_type) {
-        case IBV_EVENT_CQ_ERR:
-            e.cq = ev.element.cq;
-            break;
-        case IBV_EVENT_QP_FATAL:
-        case IBV_EVENT_QP_REQ_ERR:
-        case IBV_EVENT_QP_ACCESS_ERR:
-        case IBV_EVENT_COMM_EST:
-        case IBV_EVENT_SQ_DRAINED:
-        case IBV_EVENT_PATH_MIG:
-        case IBV_EVENT_PATH_MIG_ERR:
-        case IBV_EVENT_QP_LAST_WQE_REACHED:
-            e.qp = ev.element.qp;
-            e.qp_num = ev.element.qp->qp_num; // alive: its destroy waits for our ack
-            break;
-        case IBV_EVENT_SRQ_ERR:
-        case IBV_EVENT_SRQ_LIMIT_REACHED:
-            e.srq = ev.element.srq;
-            break;
-        case IBV_EVENT_PORT_ACTIVE:
-        case IBV_EVENT_PORT_ERR:
-        case IBV_EVENT_LID_CHANGE:
-        case IBV_EVENT_PKEY_CHANGE:
-        case IBV_EVENT_SM_CHANGE:
-        case IBV_EVENT_CLIENT_REREGISTER:
-        case IBV_EVENT_GID_CHANGE:
-            e.port = ev.element.port_num;
-            break;
-        default:
-            break;
-        }
+        async_event e = copy_event(ev);
         route(e);
         ibv_ack_async_event(&ev);
         if (e.routed) ++counters.routed;
-        if (detail::waiter* w = waiters.pop_front()) {
-            auto* a = static_cast<next_awaiter*>(w);
-            a->event = e;
-            a->has = true;
-            w->fulfil(0);
-        } else {
-            try {
-                queue.push_back(e);
-            } catch (...) {
-                // Out of memory: the event was routed and acked; next() misses it.
-            }
+        hand_to_next(e);
+    }
+}
+
+// The first next() waiter takes `e`, or it is queued for a later next().
+void device_events::state::hand_to_next(const async_event& e) noexcept {
+    if (detail::waiter* w = waiters.pop_front()) {
+        auto* a = static_cast<next_awaiter*>(w);
+        a->event = e;
+        a->has = true;
+        w->fulfil(0);
+    } else {
+        try {
+            queue.push_back(e);
+        } catch (...) {
+            // Out of memory: the event was routed and acked; next() misses it.
         }
     }
 }

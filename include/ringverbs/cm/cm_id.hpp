@@ -41,7 +41,7 @@ public:
     // listener on that port).
     int reason() const noexcept { return reason_; }
     // True when the peer's application rejected (rdma_reject), not its CM.
-    bool by_peer_application() const noexcept { return reason_ == 28; }
+    bool by_peer_application() const noexcept { return reason_ == detail::ib_cm_consumer_reject; }
     // The private data the peer attached to its reject. IB CM pads it to a fixed size with
     // zeros (148 bytes on RoCE): compare the prefix you sent.
     std::span<const std::byte> private_data() const noexcept { return data_; }

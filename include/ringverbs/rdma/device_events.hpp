@@ -90,6 +90,7 @@ private:
         bool closed = false;
 
         void drain() noexcept;
+        void hand_to_next(const async_event& e) noexcept;
         void route(async_event& e) noexcept;
         void fail(int err) noexcept;
     };

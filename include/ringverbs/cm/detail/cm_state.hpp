@@ -25,6 +25,9 @@ namespace ringverbs::detail {
 
 struct cm_channel_state;
 
+// IB CM reject reason 28, "consumer reject" (IBTA 12.6.7.2): the peer application's rdma_reject.
+inline constexpr int ib_cm_consumer_reject = 28;
+
 // What a waiter needs of one rdma_cm event, copied out so that the event is acked at once
 // (rdma_destroy_id blocks until every event of its id has been acked).
 struct cm_event_data {

@@ -79,6 +79,16 @@ struct channel_state {
     channel_state& operator=(const channel_state&) = delete;
 
     void run_service() noexcept;
+    // run_service's steps, per polling mode (see channel.cpp).
+    enum class event_read { all_read, interrupted, failed }; // how read_events() ended
+    std::optional<std::size_t> handle_wakeup() noexcept;
+    event_read read_events() noexcept;
+    std::size_t service_fired(cq_state& c) noexcept;
+    void start_spin() noexcept;
+    std::size_t poll_all() noexcept;
+    void busy_pass() noexcept;
+    void spin_pass(std::size_t found) noexcept;
+    void end_spin(std::chrono::steady_clock::time_point now) noexcept;
     std::size_t rearm_unarmed() noexcept;
     void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
