@@ -12,6 +12,39 @@ body = example.split("\n", 1)[1]  # after the first comment line
 if block != body:
     print("README quick start and examples/quick_start.cpp differ")
     sys.exit(1)
+# The Layout section names every public header of each layer folder, and only those.
+layout = readme[readme.index("## Layout"):]
+layout = layout[:layout.index("\n## ", 1)]
+entries = {}
+current = None
+for line in layout.splitlines():
+    if line.startswith("include/ringverbs/") and not line.startswith("include/ringverbs/*"):
+        current = line.split()[0]
+        entries[current] = line[len(current):]
+    elif line.startswith(" ") and current is not None:
+        entries[current] += " " + line
+    else:
+        current = None
+problems = []
+for folder, text in entries.items():
+    if folder == "include/ringverbs/":
+        continue
+    words = set(w.strip(",.:;()") for w in text.split())
+    headers = {p.stem for p in (root / folder).glob("*.hpp")}
+    for h in sorted(headers - words):
+        problems.append(f"README Layout: {folder} does not name {h}.hpp")
+for folder in sorted({f"include/ringverbs/{p.name}/" for p in (root / "include" / "ringverbs").iterdir()
+                      if p.is_dir()} - set(entries)):
+    problems.append(f"README Layout: no line for {folder}")
+top = {p.name for p in (root / "include" / "ringverbs").glob("*.hpp")}
+for h in sorted(top):
+    if h not in entries.get("include/ringverbs/", ""):
+        problems.append(f"README Layout: include/ringverbs/ does not name {h}")
+for p in problems:
+    print(p)
+if problems:
+    sys.exit(1)
+print(f"README Layout names every public header ({len(entries)} folders)")
 lines = [l for l in block.splitlines() if l.strip()]
 print(f"quick start: {len(lines)} lines")
 sys.exit(0 if len(lines) <= 30 else 1)

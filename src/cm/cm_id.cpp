@@ -1,4 +1,5 @@
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -115,8 +116,8 @@ cm_channel_state::~cm_channel_state() {
 
 void cm_channel_state::fail(int err) noexcept {
     error = err;
-    std::fprintf(stderr, "ringverbs: rdma_cm event channel fd %d: %s\n", channel->fd,
-                 std::system_category().message(err).c_str());
+    diagnose("rdma_cm event channel fd %d: %s", channel->fd,
+             std::system_category().message(err).c_str());
     for (cm_id_state* s : ids) s->fail_all(err);
 }
 
@@ -183,7 +184,7 @@ void deliver_step_outcome(cm_id_state& s, const rdma_cm_event& ev) noexcept {
         // Out of memory: the outcome still counts, without its private data.
     }
     // Nobody waits (the step's wait timed out or was stopped): the outcome goes unheard.
-    if (waiter* w = s.op_waiters.pop_front()) {
+    if (waiter* w = s.step_waiters.pop_front()) {
         static_cast<cm_step_waiter*>(w)->result = std::move(d);
         w->fulfil(0);
     }
@@ -201,7 +202,7 @@ void deliver_disconnected(cm_id_state& s, const rdma_cm_event& ev) noexcept {
     s.disconnected = true;
     s.connected = false;
     while (waiter* w = s.disconnect_waiters.pop_front()) w->fulfil(0);
-    if (waiter* w = s.op_waiters.pop_front()) {
+    if (waiter* w = s.step_waiters.pop_front()) {
         static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
         w->fulfil(0);
     }
@@ -252,7 +253,7 @@ cm_id_state::~cm_id_state() {
 
 void cm_id_state::fail_all(int err) noexcept {
     error = err;
-    while (waiter* w = op_waiters.pop_front()) w->fulfil(err);
+    while (waiter* w = step_waiters.pop_front()) w->fulfil(err);
     while (waiter* w = accept_waiters.pop_front()) w->fulfil(err);
     while (waiter* w = disconnect_waiters.pop_front()) w->fulfil(err);
 }
@@ -286,7 +287,7 @@ cm_id::cm_id(cm_channel& ch) {
 cm_id::~cm_id() {
     if (!state_) return;
     state_->closed = true;
-    while (detail::waiter* w = state_->op_waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->step_waiters.pop_front()) w->fulfil(ECANCELED);
     while (detail::waiter* w = state_->accept_waiters.pop_front()) w->fulfil(ECANCELED);
     while (detail::waiter* w = state_->disconnect_waiters.pop_front()) w->fulfil(ECANCELED);
     state_->backlog.clear(); // unanswered requests are rejected

@@ -1,4 +1,5 @@
 #include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
@@ -42,8 +43,8 @@ channel_state::~channel_state() {
 
 void channel_state::fail(int err) noexcept {
     error = err;
-    std::fprintf(stderr, "ringverbs: completion channel fd %d: poll failed: %s\n", channel.fd(),
-                 std::system_category().message(err).c_str());
+    diagnose("completion channel fd %d: poll failed: %s", channel.fd(),
+             std::system_category().message(err).c_str());
     for (cq_state* c : cqs) c->fail_waiters(err);
 }
 
@@ -58,7 +59,7 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
     for (;;) {
         const int got = hooks().poll_cq(c.cq.native(), static_cast<int>(batch), wcs);
         if (got < 0) [[unlikely]] {
-            std::fprintf(stderr, "ringverbs: ibv_poll_cq failed (the provider returned %d)\n", got);
+            diagnose("ibv_poll_cq failed (the provider returned %d)", got);
             c.fail_waiters(EIO);
             break;
         }

@@ -1,4 +1,5 @@
 #include <ringverbs/rdma/device_events.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/rdma_state.hpp>
@@ -62,7 +63,7 @@ device_events::~device_events() {
 
 void device_events::state::fail(int err) noexcept {
     error = err;
-    std::fprintf(stderr, "ringverbs: async event fd: %s\n", std::system_category().message(err).c_str());
+    detail::diagnose("async event fd: %s", std::system_category().message(err).c_str());
     while (detail::waiter* w = waiters.pop_front()) w->fulfil(err);
 }
 
@@ -132,7 +133,7 @@ void device_events::state::drain() noexcept {
 // The first next() waiter takes `e`, or it is queued for a later next().
 void device_events::state::hand_to_next(const async_event& e) noexcept {
     if (detail::waiter* w = waiters.pop_front()) {
-        auto* a = static_cast<next_awaiter*>(w);
+        auto* a = static_cast<next_awaitable*>(w);
         a->event = e;
         a->has = true;
         w->fulfil(0);

@@ -129,10 +129,19 @@ void qp_state::note_unsignaled(const ibv_wc& wc) noexcept {
     if (!unsignaled_failure) unsignaled_failure = wc;
 }
 
+void qp_state::move_to(ibv_qp_state state) {
+    ibv_qp_attr attr{};
+    attr.qp_state = state;
+    if (const int rc = hooks().modify_qp(qp.native(), &attr, IBV_QP_STATE); rc != 0)
+        throw_system_error(verbs::verb_errno(rc),
+                           "ibv_modify_qp(qp " + std::to_string(qp.qp_num()) + " to " +
+                               (state == IBV_QPS_RESET ? "RESET" : state == IBV_QPS_ERR ? "ERR" : "?") + ")");
+}
+
 void qp_state::to_error() noexcept {
     if (!in_error) {
         try {
-            qp.to_error();
+            move_to(IBV_QPS_ERR);
         } catch (const std::exception& e) {
             // The flush timer still ends what is owed.
             detail::diagnose("%s", e.what());
@@ -206,7 +215,7 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
 
 void qp_state::reset(bool never_flushed) noexcept {
     try {
-        qp.reset(); // from here on the device produces no completion for this QP
+        move_to(IBV_QPS_RESET); // from here on the device produces no completion for this QP
     } catch (const std::exception& e) {
         diagnose("%s", e.what());
     }
@@ -487,7 +496,7 @@ qp& qp::operator=(qp&& other) noexcept {
 }
 
 void qp::to_error() {
-    state_->qp.to_error();
+    state_->move_to(IBV_QPS_ERR);
     state_->in_error = true;
     state_->watch_flush();
 }

@@ -38,7 +38,9 @@ public:
         counts() = {};
         hidden().clear();
         stash().clear();
+        reset_qps().clear();
         auto& h = ringverbs::detail::hooks();
+        h.modify_qp = &modify_qp;
         h.poll_cq = &poll;
         h.req_notify_cq = &notify;
         h.get_cq_event = &get_event;
@@ -80,6 +82,16 @@ private:
         return on;
     }
     static std::set<std::uint32_t>& hidden() {
+        static std::set<std::uint32_t> s;
+        return s;
+    }
+    // QPs the runtime moved to RESET (and did not post to since). A device produces nothing
+    // for a QP after RESET, and what it produced before is in the CQ, which the runtime polls
+    // right after the reset: delaying a flush of such a QP past that poll would deliver a
+    // completion after the reset, which no device does (the runtime has already ended the
+    // request). So their completions are never delayed; what was delayed before the reset
+    // is in the stash, handed out first by that poll.
+    static std::set<std::uint32_t>& reset_qps() {
         static std::set<std::uint32_t> s;
         return s;
     }
@@ -130,7 +142,8 @@ private:
                     ++counts().flush_hidden;
                 } else if (delaying.count(wc.qp_num) != 0) {
                     delayed.push_back(wc); // a queue completes in order: keep it so
-                } else if (wc.status == IBV_WC_WR_FLUSH_ERR && chance(0.2)) {
+                } else if (wc.status == IBV_WC_WR_FLUSH_ERR && reset_qps().count(wc.qp_num) == 0 &&
+                           chance(0.2)) {
                     ++counts().flush_delayed;
                     delaying.insert(wc.qp_num);
                     delayed.push_back(wc);
@@ -178,7 +191,17 @@ private:
         return real().get_cq_event(ch, cq, ctx);
     }
 
+    static int modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept {
+        const int rc = real().modify_qp(qp, attr, mask);
+        if (rc == 0 && (mask & IBV_QP_STATE) != 0) {
+            if (attr->qp_state == IBV_QPS_RESET) reset_qps().insert(qp->qp_num);
+            else reset_qps().erase(qp->qp_num);
+        }
+        return rc;
+    }
+
     static int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+        reset_qps().erase(qp->qp_num); // connected again (a reset QP refuses posts)
         if (wr->next == nullptr && chance(0.0001)) {
             ++counts().post_failed;
             *bad = wr;
@@ -188,6 +211,7 @@ private:
     }
 
     static int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
+        reset_qps().erase(qp->qp_num);
         if (wr->next != nullptr && chain_cut() > 0) {
             const int k = std::exchange(chain_cut(), 0);
             ibv_recv_wr* cut = wr;

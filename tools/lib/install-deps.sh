@@ -19,7 +19,7 @@
 
 ringverbs_deps=(
   # build and test
-  meson ninja-build g++ clang pkg-config python3 cmake
+  meson ninja-build g++ clang clang-format pkg-config python3 cmake
   liburing-dev libibverbs-dev librdmacm-dev doctest-dev
   # the Soft-RoCE VM (tools/softroce-vm)
   qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-providers xz-utils

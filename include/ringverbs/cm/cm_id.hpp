@@ -203,8 +203,8 @@ public:
         return false;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->op_waiters.push_back(this);
-        start(*state_->channel->ctx, options_, h, &state_->op_waiters, &detail::waiter_queue::detach);
+        state_->step_waiters.push_back(this);
+        start(*state_->channel->ctx, options_, h, &state_->step_waiters, &detail::waiter_queue::detach);
     }
 
 protected:

@@ -95,8 +95,6 @@ private:
         void fail(int err) noexcept;
     };
 
-    using next_awaiter = next_awaitable; // drain() hands events to it
-
     std::unique_ptr<state> state_;
 };
 

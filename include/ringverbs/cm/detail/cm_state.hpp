@@ -82,7 +82,7 @@ struct cm_id_state {
     rdma_cm_id* id = nullptr;
     // The one step in progress (resolve, connect, accept_connection): its waiter
     // (a cm_step_waiter, which receives the outcome).
-    waiter_queue op_waiters;
+    waiter_queue step_waiters;
     // Listener: requests not yet accepted, and the accept() calls waiting for one.
     std::deque<request> backlog;
     waiter_queue accept_waiters;

@@ -217,9 +217,12 @@ struct qp_state {
     static void sink_completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
     // Counts the completion of an unsignaled or forced-signaled request.
     void note_unsignaled(const ibv_wc& wc) noexcept;
+    // ibv_modify_qp to `state` through the hook table (a fault layer sees the QP's own
+    // transitions). Throws std::system_error naming ibv_modify_qp, the qp and the state.
+    void move_to(ibv_qp_state state);
     // Moves the QP to the error state (flushing every outstanding request) and starts the
-    // bounded flush. Never throws: a failure is reported on stderr, and the flush timer
-    // then ends what is owed.
+    // bounded flush. Never throws: a failure goes to the diagnostics sink, and the flush
+    // timer then ends what is owed.
     void to_error() noexcept;
     // A request is about to be posted while in_error: asks the device whether the QP is
     // still in the error state (then the post is bounded like a flush) or was reset since.

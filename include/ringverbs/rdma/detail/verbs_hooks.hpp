@@ -19,6 +19,8 @@ struct verbs_hooks {
     int (*req_notify_cq)(ibv_cq* cq, int solicited_only) noexcept;
     // 0, or -1 with errno set, like ibv_get_cq_event.
     int (*get_cq_event)(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) noexcept;
+    // The qp's own state changes (to ERR, to RESET); 0 or an errno, like ibv_modify_qp.
+    int (*modify_qp)(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) noexcept;
 };
 
 // The table in force (one per process).
