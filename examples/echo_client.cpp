@@ -11,8 +11,8 @@
 // of (connection, k), checked in full. SIGINT stops early, with a clean disconnect.
 #include "echo_common.hpp"
 
-#include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/qp.hpp>
 
@@ -73,7 +73,8 @@ struct latency_histogram {
         const auto rank = static_cast<std::uint64_t>(std::ceil(p * static_cast<double>(total)));
         std::uint64_t seen = 0;
         for (std::size_t i = 0; i < counts.size(); ++i)
-            if ((seen += counts[i]) >= rank && seen > 0) return base_us * std::pow(growth, static_cast<double>(i + 1));
+            if ((seen += counts[i]) >= rank && seen > 0)
+                return base_us * std::pow(growth, static_cast<double>(i + 1));
         return 0.0;
     }
 };
@@ -116,8 +117,8 @@ task<void> connection(client& cl, int number) {
     if (!cl.ctx) {
         cl.ctx.emplace(id.device());
         if (!cfg.device.empty() && cl.ctx->name() != cfg.device)
-            throw std::runtime_error("the route to " + where + " goes through device " + std::string(cl.ctx->name()) +
-                                     ", not " + cfg.device);
+            throw std::runtime_error("the route to " + where + " goes through device " +
+                                     std::string(cl.ctx->name()) + ", not " + cfg.device);
         cl.pd.emplace(*cl.ctx);
         cl.events.emplace(cl.io, *cl.ctx, channel_options{.mode = cfg.mode});
     }
@@ -126,7 +127,8 @@ task<void> connection(client& cl, int number) {
     std::vector<std::byte> buffers(2 * std::size_t{window} * size);
     verbs::memory_region mr(*cl.pd, buffers);
     cq completions(*cl.events, cq_options{.entries = static_cast<int>(2 * window)});
-    qp q = id.make_qp(*cl.pd, completions, completions, verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window});
+    qp q = id.make_qp(*cl.pd, completions, completions,
+                      verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window});
     std::byte* const out = buffers.data();
     std::byte* const in = buffers.data() + std::size_t{window} * size;
     ibv_sge sge{};
@@ -138,7 +140,8 @@ task<void> connection(client& cl, int number) {
     std::vector<clock_type::time_point> sent_at(window);
     auto post_message = [&](std::uint64_t k) {
         const std::uint64_t slot = k % window;
-        for (std::size_t i = 0; i < size; ++i) out[slot * size + i] = pattern(number, k, i);
+        for (std::size_t i = 0; i < size; ++i)
+            out[slot * size + i] = pattern(number, k, i);
         sge = {reinterpret_cast<std::uintptr_t>(out + slot * size), size, mr.native()->lkey};
         ibv_send_wr wr{};
         wr.wr_id = slot | send_bit;
@@ -150,7 +153,8 @@ task<void> connection(client& cl, int number) {
         q.native_qp().post_send(wr);
     };
     std::uint64_t receives = std::min<std::uint64_t>(window, cfg.count); // posted so far
-    for (std::uint64_t slot = 0; slot < receives; ++slot) post_receive(slot);
+    for (std::uint64_t slot = 0; slot < receives; ++slot)
+        post_receive(slot);
 
     echo::server_hello hello{};
     try {
@@ -161,17 +165,23 @@ task<void> connection(client& cl, int number) {
     }
     const std::uint32_t server_max = ntohl(hello.max_size), server_depth = ntohl(hello.depth);
     if (server_depth != 0 && window > server_depth)
-        std::fprintf(stderr, "echo_client: connection %d: --inflight %u exceeds the %u receives the server posts: "
-                             "receiver-not-ready retries will slow it down a lot\n", number, window, server_depth);
+        std::fprintf(
+            stderr,
+            "echo_client: connection %d: --inflight %u exceeds the %u receives the server posts: "
+            "receiver-not-ready retries will slow it down a lot\n",
+            number, window, server_depth);
     if (server_max != 0 && size > server_max)
-        std::fprintf(stderr, "echo_client: connection %d: --size %u exceeds the %u bytes the server takes: "
-                             "it will close the connection\n", number, size, server_max);
+        std::fprintf(stderr,
+                     "echo_client: connection %d: --size %u exceeds the %u bytes the server takes: "
+                     "it will close the connection\n",
+                     number, size, server_max);
 
     // A slot is free for its next message when the reply is back (+1) and the send is done (+1).
     std::vector<int> done(window, 0);
     std::uint64_t next = 0, received = 0;
     std::size_t posted = receives; // requests owed a completion
-    for (; next < std::min<std::uint64_t>(window, cfg.count); ++next, ++posted) post_message(next);
+    for (; next < std::min<std::uint64_t>(window, cfg.count); ++next, ++posted)
+        post_message(next);
     std::string error;
     bool closing = false;
     auto close = [&](std::string why) -> task<void> {
@@ -186,7 +196,8 @@ task<void> connection(client& cl, int number) {
     while (posted > 0) {
         ibv_wc wc{};
         // Once closing, only the flushes are awaited, and not forever (see echo_server.cpp).
-        const wait_options wait = closing ? wait_options(5s) : wait_options(cl.stopping.get_token());
+        const wait_options wait =
+            closing ? wait_options(5s) : wait_options(cl.stopping.get_token());
         bool interrupted = false;
         try {
             wc = co_await completions.next(wait);
@@ -201,11 +212,13 @@ task<void> connection(client& cl, int number) {
         --posted;
         const std::uint64_t slot = wc.wr_id & ~send_bit;
         if (wc.status != IBV_WC_SUCCESS) {
-            std::string why = id.is_disconnected() ? "the server closed the connection"
-                                                   : std::string(wc.wr_id & send_bit ? "send" : "receive") +
-                                                         " failed: " + ibv_wc_status_str(wc.status);
-            if (server_max != 0 && size > server_max) why += " (messages of " + std::to_string(size) +
-                                                              " bytes, the server takes " + std::to_string(server_max) + ")";
+            std::string why = id.is_disconnected()
+                                  ? "the server closed the connection"
+                                  : std::string(wc.wr_id & send_bit ? "send" : "receive") +
+                                        " failed: " + ibv_wc_status_str(wc.status);
+            if (server_max != 0 && size > server_max)
+                why += " (messages of " + std::to_string(size) + " bytes, the server takes " +
+                       std::to_string(server_max) + ")";
             co_await close(why);
             continue;
         }
@@ -213,12 +226,16 @@ task<void> connection(client& cl, int number) {
         if (wc.opcode == IBV_WC_RECV) {
             const std::byte* got = in + slot * size;
             bool same = wc.byte_len == size;
-            for (std::size_t i = 0; same && i < size; ++i) same = got[i] == pattern(number, received, i);
+            for (std::size_t i = 0; same && i < size; ++i)
+                same = got[i] == pattern(number, received, i);
             if (!same) {
-                co_await close("reply " + std::to_string(received) + " differs from the message sent");
+                co_await close("reply " + std::to_string(received) +
+                               " differs from the message sent");
                 continue;
             }
-            cl.latency.add(std::chrono::duration<double, std::micro>(clock_type::now() - sent_at[received % window]).count());
+            cl.latency.add(std::chrono::duration<double, std::micro>(clock_type::now() -
+                                                                     sent_at[received % window])
+                               .count());
             ++cl.verified;
             ++done[received % window];
             ++received;
@@ -240,8 +257,9 @@ task<void> connection(client& cl, int number) {
     // Every request is back (flushed ones too, after a close): the buffers are ours again.
     if (!closing) co_await close("");
     if (!error.empty()) {
-        throw std::runtime_error("connection " + std::to_string(number) + " to " + where + ": " + error + " after " +
-                                 std::to_string(received) + " of " + std::to_string(cfg.count) + " messages");
+        throw std::runtime_error("connection " + std::to_string(number) + " to " + where + ": " +
+                                 error + " after " + std::to_string(received) + " of " +
+                                 std::to_string(cfg.count) + " messages");
     }
 }
 
@@ -263,7 +281,8 @@ task<void> watch_signals(client& cl, int fd) {
 
 task<void> all_connections(client& cl) {
     std::vector<task<void>> all;
-    for (int c = 0; c < cl.cfg.clients; ++c) all.push_back(guarded(cl, c));
+    for (int c = 0; c < cl.cfg.clients; ++c)
+        all.push_back(guarded(cl, c));
     co_await when_all(std::move(all));
     cl.stopping.request_stop(); // ends the signal watch
 }
@@ -281,15 +300,24 @@ config parse(int argc, char** argv) {
         }
         if (i + 1 >= argc) throw echo::usage_error(flag + " needs a value (or is unknown)");
         const std::string v = argv[++i];
-        if (flag == "--address") c.address = v;
-        else if (flag == "--port") c.port = static_cast<std::uint16_t>(echo::number(flag, v, 1, 65535));
-        else if (flag == "--device") c.device = v;
-        else if (flag == "--size") c.size = static_cast<std::uint32_t>(echo::number(flag, v, 1, 1u << 30));
-        else if (flag == "--count") c.count = echo::number(flag, v, 1, 1ul << 40);
-        else if (flag == "--inflight") c.inflight = static_cast<std::uint32_t>(echo::number(flag, v, 1, 4096));
-        else if (flag == "--clients") c.clients = static_cast<int>(echo::number(flag, v, 1, 1024));
-        else if (flag == "--mode") c.mode = echo::mode_of(v);
-        else throw echo::usage_error("unknown option " + flag);
+        if (flag == "--address")
+            c.address = v;
+        else if (flag == "--port")
+            c.port = static_cast<std::uint16_t>(echo::number(flag, v, 1, 65535));
+        else if (flag == "--device")
+            c.device = v;
+        else if (flag == "--size")
+            c.size = static_cast<std::uint32_t>(echo::number(flag, v, 1, 1u << 30));
+        else if (flag == "--count")
+            c.count = echo::number(flag, v, 1, 1ul << 40);
+        else if (flag == "--inflight")
+            c.inflight = static_cast<std::uint32_t>(echo::number(flag, v, 1, 4096));
+        else if (flag == "--clients")
+            c.clients = static_cast<int>(echo::number(flag, v, 1, 1024));
+        else if (flag == "--mode")
+            c.mode = echo::mode_of(v);
+        else
+            throw echo::usage_error("unknown option " + flag);
     }
     if (c.address.empty()) throw echo::usage_error("--address is required (or set RINGVERBS_ADDR)");
     return c;
@@ -299,7 +327,8 @@ config parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
     config cfg;
-    if (auto status = echo::parse_options("echo_client", usage, parse, argc, argv, cfg)) return *status;
+    if (auto status = echo::parse_options("echo_client", usage, parse, argc, argv, cfg))
+        return *status;
     try {
         echo::check_device(cfg.device);
         const int signals = echo::signal_fd();
@@ -313,19 +342,25 @@ int main(int argc, char** argv) {
         auto pct = [&](double p) { return cl.latency.percentile(p); };
         const double rate = static_cast<double>(cl.verified) / secs;
         const std::uint64_t want = cfg.count * static_cast<std::uint64_t>(cfg.clients);
-        std::printf("echo_client: %llu of %llu messages (%llu bytes) echoed and verified byte for byte; "
-                    "%d connection(s), %u bytes each, %u in flight, %s mode\n",
-                    static_cast<unsigned long long>(cl.verified), static_cast<unsigned long long>(want),
-                    static_cast<unsigned long long>(cl.verified * cfg.size), cfg.clients, cfg.size, cfg.inflight,
-                    echo::mode_name(cfg.mode));
-        std::printf("echo_client: %.0f messages/s, %.2f MB/s each way; round trip p50 %.1f us, p99 %.1f us, p99.9 %.1f us\n",
+        std::printf(
+            "echo_client: %llu of %llu messages (%llu bytes) echoed and verified byte for byte; "
+            "%d connection(s), %u bytes each, %u in flight, %s mode\n",
+            static_cast<unsigned long long>(cl.verified), static_cast<unsigned long long>(want),
+            static_cast<unsigned long long>(cl.verified * cfg.size), cfg.clients, cfg.size,
+            cfg.inflight, echo::mode_name(cfg.mode));
+        std::printf("echo_client: %.0f messages/s, %.2f MB/s each way; round trip p50 %.1f us, p99 "
+                    "%.1f us, p99.9 %.1f us\n",
                     rate, rate * cfg.size / 1e6, pct(0.50), pct(0.99), pct(0.999));
         if (cfg.json)
-            std::printf("{\"clients\": %d, \"size\": %u, \"inflight\": %u, \"mode\": \"%s\", \"messages\": %llu, "
-                        "\"verified\": %llu, \"seconds\": %.3f, \"messages_per_s\": %.1f, \"p50_us\": %.2f, "
+            std::printf("{\"clients\": %d, \"size\": %u, \"inflight\": %u, \"mode\": \"%s\", "
+                        "\"messages\": %llu, "
+                        "\"verified\": %llu, \"seconds\": %.3f, \"messages_per_s\": %.1f, "
+                        "\"p50_us\": %.2f, "
                         "\"p99_us\": %.2f, \"p999_us\": %.2f}\n",
-                        cfg.clients, cfg.size, cfg.inflight, echo::mode_name(cfg.mode), static_cast<unsigned long long>(want),
-                        static_cast<unsigned long long>(cl.verified), secs, rate, pct(0.50), pct(0.99), pct(0.999));
+                        cfg.clients, cfg.size, cfg.inflight, echo::mode_name(cfg.mode),
+                        static_cast<unsigned long long>(want),
+                        static_cast<unsigned long long>(cl.verified), secs, rate, pct(0.50),
+                        pct(0.99), pct(0.999));
         if (cl.stopping.stop_requested() && cl.verified < want && cl.failed == 0) return 130;
         return cl.failed == 0 && cl.verified == want ? 0 : 1;
     } catch (const std::exception& e) {

@@ -11,12 +11,12 @@
 #include <sys/signalfd.h>
 
 #include <cstdint>
-#include <span>
-#include <stop_token>
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 
 namespace echo {
@@ -32,8 +32,8 @@ struct usage_error : std::runtime_error {
 // Runs `parse` on the command line into `out`. Returns nothing to go on; or, after printing
 // the usage (and for a bad option the error, on stderr), the exit status: 0 for --help, 2.
 template <typename Config, typename Parse>
-std::optional<int> parse_options(const char* program, const char* usage, Parse parse, int argc, char** argv,
-                                 Config& out) {
+std::optional<int> parse_options(const char* program, const char* usage, Parse parse, int argc,
+                                 char** argv, Config& out) {
     try {
         out = parse(argc, argv);
         return std::nullopt;
@@ -64,7 +64,9 @@ inline ringverbs::polling_mode mode_of(const std::string& text) {
 }
 
 inline const char* mode_name(ringverbs::polling_mode m) {
-    return m == ringverbs::polling_mode::busy ? "busy" : m == ringverbs::polling_mode::hybrid ? "hybrid" : "events";
+    return m == ringverbs::polling_mode::busy     ? "busy"
+           : m == ringverbs::polling_mode::hybrid ? "hybrid"
+                                                  : "events";
 }
 
 // A numeric IPv4 or IPv6 address and a port (rdma_cm resolves addresses, not names).
@@ -74,7 +76,8 @@ inline sockaddr_storage address_of(const std::string& text, std::uint16_t port) 
     addrinfo* found = nullptr;
     const std::string service = std::to_string(port);
     if (int rc = getaddrinfo(text.c_str(), service.c_str(), &hints, &found); rc != 0)
-        throw usage_error("--address '" + text + "' is not a numeric IPv4 or IPv6 address (" + gai_strerror(rc) + ")");
+        throw usage_error("--address '" + text + "' is not a numeric IPv4 or IPv6 address (" +
+                          gai_strerror(rc) + ")");
     sockaddr_storage a{};
     std::memcpy(&a, found->ai_addr, found->ai_addrlen);
     freeaddrinfo(found);
@@ -85,18 +88,21 @@ inline std::string text_of(const sockaddr* a) {
     char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
     const socklen_t len = a->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
     getnameinfo(a, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
-    return a->sa_family == AF_INET6 ? "[" + std::string(host) + "]:" + serv : std::string(host) + ":" + serv;
+    return a->sa_family == AF_INET6 ? "[" + std::string(host) + "]:" + serv
+                                    : std::string(host) + ":" + serv;
 }
 
 // Fails clearly when there is no RDMA device at all, or none called `name`.
 inline void check_device(const std::string& name) {
     ringverbs::verbs::device_list devices;
     if (devices.empty())
-        throw std::runtime_error("no RDMA device on this machine (load a driver, e.g. rdma_rxe for Soft-RoCE, "
-                                 "or run under tools/softroce-vm)");
+        throw std::runtime_error(
+            "no RDMA device on this machine (load a driver, e.g. rdma_rxe for Soft-RoCE, "
+            "or run under tools/softroce-vm)");
     if (!name.empty() && !devices.find(name)) {
         std::string names;
-        for (std::size_t i = 0; i < devices.size(); ++i) names += (i ? ", " : "") + std::string(devices[i].name());
+        for (std::size_t i = 0; i < devices.size(); ++i)
+            names += (i ? ", " : "") + std::string(devices[i].name());
         throw std::runtime_error("no RDMA device called '" + name + "' (there is: " + names + ")");
     }
 }
@@ -107,7 +113,8 @@ inline int signal_fd() {
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
-    if (sigprocmask(SIG_BLOCK, &set, nullptr) != 0) ringverbs::throw_system_error(errno, "sigprocmask");
+    if (sigprocmask(SIG_BLOCK, &set, nullptr) != 0)
+        ringverbs::throw_system_error(errno, "sigprocmask");
     int fd = signalfd(-1, &set, SFD_CLOEXEC);
     if (fd < 0) ringverbs::throw_system_error(errno, "signalfd");
     return fd;
@@ -119,7 +126,8 @@ inline ringverbs::task<int> next_signal(ringverbs::io_context& io, int fd, std::
     signalfd_siginfo info{};
     try {
         auto bytes = std::as_writable_bytes(std::span(&info, 1));
-        co_await ringverbs::read(io, fd, bytes, ringverbs::current_position, ringverbs::wait_options(stop));
+        co_await ringverbs::read(io, fd, bytes, ringverbs::current_position,
+                                 ringverbs::wait_options(stop));
     } catch (const std::system_error& e) {
         if (e.code() == std::errc::operation_canceled) co_return 0;
         throw;

@@ -65,7 +65,8 @@ struct device_resources {
     channel completion_channel;
     device_events device_watch;
     device_resources(io_context& io, verbs::context device, polling_mode mode)
-        : context(std::move(device)), completion_channel(io, context, channel_options{.mode = mode}),
+        : context(std::move(device)),
+          completion_channel(io, context, channel_options{.mode = mode}),
           device_watch(io, context) {}
 };
 
@@ -92,7 +93,7 @@ struct summary {
 // loop, a coroutine that receives a message into it and sends it back from it, again and
 // again; the first failure closes the connection and ends the other loops.
 class connection {
-public:
+  public:
     // Throws std::system_error naming the verb that failed (memory region, CQ, QP).
     connection(echo_server& server, device_resources& device, cm_id id);
 
@@ -100,7 +101,7 @@ public:
     // request is owed a completion: the connection may be destroyed.
     task<summary> serve();
 
-private:
+  private:
     enum class request { receive, echo_send };
 
     task<void> accept();
@@ -125,21 +126,23 @@ private:
 };
 
 connection::connection(echo_server& server, device_resources& device, cm_id id)
-    : server_(server), id_(std::move(id)), max_size_(server.options.max_size), depth_(server.options.depth),
-      pool_(std::size_t{depth_} * max_size_), mr_(device.pd, pool_),
+    : server_(server), id_(std::move(id)), max_size_(server.options.max_size),
+      depth_(server.options.depth), pool_(std::size_t{depth_} * max_size_), mr_(device.pd, pool_),
       completions_(device.completion_channel, cq_options{.entries = static_cast<int>(2 * depth_)}),
       qp_(id_.make_qp(device.pd, completions_, completions_,
                       verbs::qp_caps{.max_send_wr = depth_, .max_recv_wr = depth_})) {}
 
 task<summary> connection::serve() {
     std::vector<task<void>> work;
-    for (std::uint32_t slot = 0; slot < depth_; ++slot) work.push_back(echo_loop(slot));
+    for (std::uint32_t slot = 0; slot < depth_; ++slot)
+        work.push_back(echo_loop(slot));
     // Last: when_all starts its tasks in order, each up to its first co_await, so every
     // buffer's receive is posted before the client may send.
     work.push_back(accept());
     co_await when_all(std::move(work));
     if (never_flushed_ > 0)
-        summary_.why += "; " + std::to_string(never_flushed_) + " request(s) never flushed by the device";
+        summary_.why +=
+            "; " + std::to_string(never_flushed_) + " request(s) never flushed by the device";
     co_return summary_;
 }
 
@@ -153,8 +156,10 @@ task<void> connection::accept() {
     } catch (const std::exception& e) {
         failed = e.what(); // a co_await may not be in a handler
     }
-    if (!failed.empty()) co_await close(std::move(failed));
-    else if (closing_) co_await disconnect(); // closed (by the server's stop) while accepting
+    if (!failed.empty())
+        co_await close(std::move(failed));
+    else if (closing_)
+        co_await disconnect(); // closed (by the server's stop) while accepting
 }
 
 // One buffer's life: receive a message into it, send it back from it, repeat. Each co_await
@@ -166,8 +171,8 @@ task<void> connection::echo_loop(std::uint32_t slot) {
     try {
         while (!closing_) {
             current = request::receive;
-            const ibv_wc received =
-                co_await qp_.recv(buffer(slot, max_size_), wait_options(server_.stopping.get_token()));
+            const ibv_wc received = co_await qp_.recv(buffer(slot, max_size_),
+                                                      wait_options(server_.stopping.get_token()));
             if (closing_) break;
             current = request::echo_send;
             co_await qp_.send(buffer(slot, received.byte_len));
@@ -188,10 +193,12 @@ task<void> connection::echo_loop(std::uint32_t slot) {
 std::string connection::failure(request failed, ibv_wc_status status) const {
     if (status == IBV_WC_WR_FLUSH_ERR && id_.is_disconnected()) return "the client disconnected";
     // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
-    if (failed == request::receive && (status == IBV_WC_LOC_LEN_ERR || status == IBV_WC_LOC_QP_OP_ERR))
-        return "a message larger than " + std::to_string(max_size_) + " bytes (receive failed: " +
-               ibv_wc_status_str(status) + ")";
-    return std::string(failed == request::receive ? "receive" : "echo send") + " failed: " + ibv_wc_status_str(status);
+    if (failed == request::receive &&
+        (status == IBV_WC_LOC_LEN_ERR || status == IBV_WC_LOC_QP_OP_ERR))
+        return "a message larger than " + std::to_string(max_size_) +
+               " bytes (receive failed: " + ibv_wc_status_str(status) + ")";
+    return std::string(failed == request::receive ? "receive" : "echo send") +
+           " failed: " + ibv_wc_status_str(status);
 }
 
 // Closes the connection once, for the first reason given (or the server's shutdown): tells
@@ -201,7 +208,8 @@ std::string connection::failure(request failed, ibv_wc_status status) const {
 task<void> connection::close(std::string why) {
     if (closing_) co_return;
     closing_ = true;
-    summary_.why = server_.stopping.stop_requested() ? "the server is shutting down" : std::move(why);
+    summary_.why =
+        server_.stopping.stop_requested() ? "the server is shutting down" : std::move(why);
     if (accepted_) co_await disconnect();
     try {
         qp_.to_error(); // also after rdma_disconnect, which the qp does not see: arms the bound
@@ -240,7 +248,8 @@ task<void> serve(echo_server& server, device_resources& device, cm_id id, int nu
     server.bytes += result.bytes;
     std::printf("echo_server: connection %d from %s closed (%s) after %llu messages, %llu bytes; "
                 "its QP, CQ and MR released; %d open\n",
-                number, peer.c_str(), result.why.c_str(), static_cast<unsigned long long>(result.messages),
+                number, peer.c_str(), result.why.c_str(),
+                static_cast<unsigned long long>(result.messages),
                 static_cast<unsigned long long>(result.bytes), server.open);
     std::fflush(stdout);
 }
@@ -257,8 +266,8 @@ task<void> log_device_events(echo_server& server, device_resources& device) {
             co_return; // shutting down
         }
         const std::string_view name = device.context.name();
-        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(name.size()), name.data(), event.name(),
-                    event.routed ? " (its connection is closed)" : "");
+        std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(name.size()), name.data(),
+                    event.name(), event.routed ? " (its connection is closed)" : "");
         std::fflush(stdout);
     }
 }
@@ -266,7 +275,8 @@ task<void> log_device_events(echo_server& server, device_resources& device) {
 device_resources& resources_for(echo_server& server, verbs::context context) {
     auto& resources = server.devices[context.native()];
     if (!resources) {
-        resources = std::make_unique<device_resources>(server.io, std::move(context), server.options.mode);
+        resources =
+            std::make_unique<device_resources>(server.io, std::move(context), server.options.mode);
         server.io.spawn(log_device_events(server, *resources));
     }
     return *resources;
@@ -289,14 +299,17 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
             request->reject();
             continue;
         }
-        server.io.spawn(serve(server, resources_for(server, std::move(device)), std::move(*request), number));
+        server.io.spawn(
+            serve(server, resources_for(server, std::move(device)), std::move(*request), number));
     }
 }
 
 task<void> watch_signals(echo_server& server, int fd) {
-    const int signal_number = co_await echo::next_signal(server.io, fd, server.stopping.get_token());
+    const int signal_number =
+        co_await echo::next_signal(server.io, fd, server.stopping.get_token());
     if (signal_number != 0) {
-        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number), server.open);
+        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number),
+                    server.open);
         std::fflush(stdout);
         server.stopping.request_stop();
     }
@@ -310,18 +323,26 @@ server_options parse(int argc, char** argv) {
         if (flag == "--help" || flag == "-h") throw echo::usage_error("");
         if (i + 1 >= argc) throw echo::usage_error(flag + " needs a value (or is unknown)");
         const std::string value = argv[++i];
-        if (flag == "--address") options.address = value;
-        else if (flag == "--port") options.port = static_cast<std::uint16_t>(echo::number(flag, value, 1, 65535));
-        else if (flag == "--device") options.device = value;
-        else if (flag == "--max-size") options.max_size = static_cast<std::uint32_t>(echo::number(flag, value, 1, 1u << 30));
-        else if (flag == "--depth") options.depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 4096));
-        else if (flag == "--mode") options.mode = echo::mode_of(value);
-        else throw echo::usage_error("unknown option " + flag);
+        if (flag == "--address")
+            options.address = value;
+        else if (flag == "--port")
+            options.port = static_cast<std::uint16_t>(echo::number(flag, value, 1, 65535));
+        else if (flag == "--device")
+            options.device = value;
+        else if (flag == "--max-size")
+            options.max_size = static_cast<std::uint32_t>(echo::number(flag, value, 1, 1u << 30));
+        else if (flag == "--depth")
+            options.depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 4096));
+        else if (flag == "--mode")
+            options.mode = echo::mode_of(value);
+        else
+            throw echo::usage_error("unknown option " + flag);
     }
     return options;
 }
 
-// The listening id, announced on stdout. Throws "cannot listen on ADDRESS: ..." (e.g. address in use).
+// The listening id, announced on stdout. Throws "cannot listen on ADDRESS: ..." (e.g. address in
+// use).
 cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     const auto* at = reinterpret_cast<const sockaddr*>(&address);
     cm_id listener(server.cm);
@@ -333,8 +354,10 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     // Bound to one device's address: its PD and channel now, so the first client waits less.
     if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
     const server_options& options = server.options;
-    std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per connection, %s mode)\n",
-                echo::text_of(at).c_str(), options.max_size, options.depth, echo::mode_name(options.mode));
+    std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per "
+                "connection, %s mode)\n",
+                echo::text_of(at).c_str(), options.max_size, options.depth,
+                echo::mode_name(options.mode));
     std::fflush(stdout);
     return listener;
 }
@@ -343,7 +366,8 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
 
 int main(int argc, char** argv) {
     server_options options;
-    if (auto status = echo::parse_options("echo_server", usage, parse, argc, argv, options)) return *status;
+    if (auto status = echo::parse_options("echo_server", usage, parse, argc, argv, options))
+        return *status;
     try {
         echo::check_device(options.device);
         const sockaddr_storage address = echo::address_of(options.address, options.port);
@@ -353,9 +377,12 @@ int main(int argc, char** argv) {
         cm_id listener = listen_on(server, address);
         io.spawn(watch_signals(server, signals));
         io.spawn(accept_loop(server, listener));
-        io.run(); // until a signal: the accept loop, then every connection, then the signal watch end
-        std::printf("echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n", server.served,
-                    static_cast<unsigned long long>(server.messages), static_cast<unsigned long long>(server.bytes));
+        io.run(); // until a signal: the accept loop, then every connection, then the signal watch
+                  // end
+        std::printf(
+            "echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n",
+            server.served, static_cast<unsigned long long>(server.messages),
+            static_cast<unsigned long long>(server.bytes));
         ::close(signals);
         return 0;
     } catch (const std::exception& e) {

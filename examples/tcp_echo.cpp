@@ -38,7 +38,8 @@ task<void> recv_all(io_context& ctx, int fd, std::span<std::byte> buf) {
 }
 
 task<void> send_all(io_context& ctx, int fd, std::span<const std::byte> data) {
-    while (!data.empty()) data = data.subspan(static_cast<std::size_t>(co_await send(ctx, fd, data)));
+    while (!data.empty())
+        data = data.subspan(static_cast<std::size_t>(co_await send(ctx, fd, data)));
 }
 
 // One coroutine per connection: echo until the client closes.
@@ -53,7 +54,8 @@ task<void> serve(io_context& ctx, int fd) {
 }
 
 task<void> accept_loop(io_context& ctx, int listen_fd, int connections) {
-    for (int i = 0; i < connections; ++i) ctx.spawn(serve(ctx, co_await accept(ctx, listen_fd)));
+    for (int i = 0; i < connections; ++i)
+        ctx.spawn(serve(ctx, co_await accept(ctx, listen_fd)));
 }
 
 task<long> client(io_context& ctx, sockaddr_in addr, int messages, std::size_t size, int id) {
@@ -64,10 +66,12 @@ task<long> client(io_context& ctx, sockaddr_in addr, int messages, std::size_t s
     std::vector<std::byte> out(size), in(size);
     long verified = 0;
     for (int m = 0; m < messages; ++m) {
-        for (std::size_t i = 0; i < size; ++i) out[i] = static_cast<std::byte>((id * 131 + m + i) & 0xff);
+        for (std::size_t i = 0; i < size; ++i)
+            out[i] = static_cast<std::byte>((id * 131 + m + i) & 0xff);
         co_await send_all(ctx, s.fd, out);
         co_await recv_all(ctx, s.fd, in);
-        if (std::memcmp(in.data(), out.data(), size) != 0) throw std::runtime_error("echo mismatch");
+        if (std::memcmp(in.data(), out.data(), size) != 0)
+            throw std::runtime_error("echo mismatch");
         ++verified;
     }
     co_return verified;
@@ -80,9 +84,12 @@ int main(int argc, char** argv) {
     std::size_t size = 64;
     for (int i = 1; i + 1 < argc; i += 2) {
         std::string a = argv[i];
-        if (a == "--clients") clients = std::stoi(argv[i + 1]);
-        else if (a == "--messages") messages = std::stoi(argv[i + 1]);
-        else if (a == "--size") size = std::stoul(argv[i + 1]);
+        if (a == "--clients")
+            clients = std::stoi(argv[i + 1]);
+        else if (a == "--messages")
+            messages = std::stoi(argv[i + 1]);
+        else if (a == "--size")
+            size = std::stoul(argv[i + 1]);
         else {
             std::fprintf(stderr, "usage: tcp_echo [--clients N] [--messages N] [--size BYTES]\n");
             return 2;
@@ -96,20 +103,25 @@ int main(int argc, char** argv) {
         addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK); // loopback only
         socklen_t len = sizeof addr;
         if (::bind(l.fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-            ::getsockname(l.fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 || ::listen(l.fd, 128) != 0)
+            ::getsockname(l.fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+            ::listen(l.fd, 128) != 0)
             throw_system_error(errno, "bind/listen on 127.0.0.1");
         ctx.spawn(accept_loop(ctx, l.fd, clients));
         std::vector<task<long>> all;
-        for (int c = 0; c < clients; ++c) all.push_back(client(ctx, addr, messages, size, c));
+        for (int c = 0; c < clients; ++c)
+            all.push_back(client(ctx, addr, messages, size, c));
         auto t0 = std::chrono::steady_clock::now();
         std::vector<long> done = ctx.run(when_all(std::move(all)));
         double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         long total = 0;
-        for (long d : done) total += d;
-        std::printf("tcp_echo: %d clients, %ld messages of %zu bytes echoed and verified byte for byte\n",
-                    clients, total, size);
+        for (long d : done)
+            total += d;
+        std::printf(
+            "tcp_echo: %d clients, %ld messages of %zu bytes echoed and verified byte for byte\n",
+            clients, total, size);
         std::printf("tcp_echo: %.0f round trips/s, %.1f us mean round trip per client\n",
-                    static_cast<double>(total) / secs, secs * 1e6 * clients / static_cast<double>(total));
+                    static_cast<double>(total) / secs,
+                    secs * 1e6 * clients / static_cast<double>(total));
         return total == static_cast<long>(clients) * messages ? 0 : 1;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "tcp_echo: %s\n", e.what());

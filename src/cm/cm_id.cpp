@@ -25,34 +25,62 @@ void cm_check(int ret, const char* what) {
 // RoCE. This librdmacm has no rdma_reject_msg().
 const char* reject_reason_text(int reason) noexcept {
     switch (reason) {
-    case 1: return "no QP available";
-    case 2: return "no EEC available";
-    case 3: return "no resources";
-    case 4: return "timeout";
-    case 5: return "unsupported request";
-    case 6: return "invalid communication id";
-    case 7: return "invalid communication instance";
-    case 8: return "invalid service id: nothing listens on that port";
-    case 9: return "invalid transport type";
-    case 10: return "stale connection";
-    case 11: return "RDC does not exist";
-    case 12: return "invalid GID";
-    case 13: return "invalid LID";
-    case 14: return "invalid SL";
-    case 15: return "invalid traffic class";
-    case 16: return "invalid hop limit";
-    case 17: return "invalid packet rate";
-    case 24: return "port CM redirect";
-    case 25: return "port redirect";
-    case 26: return "invalid MTU";
-    case 27: return "insufficient responder resources";
-    case detail::ib_cm_consumer_reject: return "rejected by the peer application";
-    case 29: return "invalid RNR retry";
-    case 30: return "duplicate local communication id";
-    case 31: return "invalid class version";
-    case 32: return "invalid flow label";
-    case 33: return "invalid alternate flow label";
-    default: return "unknown reason";
+    case 1:
+        return "no QP available";
+    case 2:
+        return "no EEC available";
+    case 3:
+        return "no resources";
+    case 4:
+        return "timeout";
+    case 5:
+        return "unsupported request";
+    case 6:
+        return "invalid communication id";
+    case 7:
+        return "invalid communication instance";
+    case 8:
+        return "invalid service id: nothing listens on that port";
+    case 9:
+        return "invalid transport type";
+    case 10:
+        return "stale connection";
+    case 11:
+        return "RDC does not exist";
+    case 12:
+        return "invalid GID";
+    case 13:
+        return "invalid LID";
+    case 14:
+        return "invalid SL";
+    case 15:
+        return "invalid traffic class";
+    case 16:
+        return "invalid hop limit";
+    case 17:
+        return "invalid packet rate";
+    case 24:
+        return "port CM redirect";
+    case 25:
+        return "port redirect";
+    case 26:
+        return "invalid MTU";
+    case 27:
+        return "insufficient responder resources";
+    case detail::ib_cm_consumer_reject:
+        return "rejected by the peer application";
+    case 29:
+        return "invalid RNR retry";
+    case 30:
+        return "duplicate local communication id";
+    case 31:
+        return "invalid class version";
+    case 32:
+        return "invalid flow label";
+    case 33:
+        return "invalid alternate flow label";
+    default:
+        return "unknown reason";
     }
 }
 
@@ -87,15 +115,13 @@ std::vector<std::byte> copy_private_data(const rdma_cm_event& ev) {
 
 namespace detail {
 
-namespace {
-
-
-} // namespace
+namespace {} // namespace
 
 cm_channel_state::cm_channel_state(io_context& c) : ctx(&c) {
     errno = 0;
     rdma_event_channel* raw = rdma_create_event_channel();
-    if (raw == nullptr) throw_system_error(errno != 0 ? errno : ENODEV, "rdma_create_event_channel");
+    if (raw == nullptr)
+        throw_system_error(errno != 0 ? errno : ENODEV, "rdma_create_event_channel");
     channel = std::shared_ptr<rdma_event_channel>(raw, rdma_destroy_event_channel);
     const int fl = ::fcntl(raw->fd, F_GETFL);
     if (fl < 0 || ::fcntl(raw->fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
@@ -118,7 +144,8 @@ void cm_channel_state::fail(int err) noexcept {
     error = err;
     diagnose("rdma_cm event channel fd %d: %s", channel->fd,
              std::system_category().message(err).c_str());
-    for (cm_id_state* s : ids) s->fail_all(err);
+    for (cm_id_state* s : ids)
+        s->fail_all(err);
 }
 
 // Every event is acked right after it was copied: rdma_destroy_id blocks until the events of
@@ -201,7 +228,8 @@ void deliver_disconnected(cm_id_state& s, const rdma_cm_event& ev) noexcept {
     }
     s.disconnected = true;
     s.connected = false;
-    while (waiter* w = s.disconnect_waiters.pop_front()) w->fulfil(0);
+    while (waiter* w = s.disconnect_waiters.pop_front())
+        w->fulfil(0);
     if (waiter* w = s.step_waiters.pop_front()) {
         static_cast<cm_step_waiter*>(w)->result = cm_event_data{RDMA_CM_EVENT_DISCONNECTED, 0, {}};
         w->fulfil(0);
@@ -253,15 +281,17 @@ cm_id_state::~cm_id_state() {
 
 void cm_id_state::fail_all(int err) noexcept {
     error = err;
-    while (waiter* w = step_waiters.pop_front()) w->fulfil(err);
-    while (waiter* w = accept_waiters.pop_front()) w->fulfil(err);
-    while (waiter* w = disconnect_waiters.pop_front()) w->fulfil(err);
+    while (waiter* w = step_waiters.pop_front())
+        w->fulfil(err);
+    while (waiter* w = accept_waiters.pop_front())
+        w->fulfil(err);
+    while (waiter* w = disconnect_waiters.pop_front())
+        w->fulfil(err);
 }
 
 } // namespace detail
 
-cm_channel::cm_channel(io_context& ctx)
-    : state_(std::make_shared<detail::cm_channel_state>(ctx)) {}
+cm_channel::cm_channel(io_context& ctx) : state_(std::make_shared<detail::cm_channel_state>(ctx)) {}
 
 cm_channel::~cm_channel() = default;
 
@@ -275,7 +305,8 @@ connection_rejected::connection_rejected(int reason, std::string reason_text,
 cm_id::cm_id(cm_channel& ch) {
     rdma_cm_id* raw = nullptr;
     errno = 0;
-    cm_check(rdma_create_id(ch.state_->channel.get(), &raw, nullptr, RDMA_PS_TCP), "rdma_create_id");
+    cm_check(rdma_create_id(ch.state_->channel.get(), &raw, nullptr, RDMA_PS_TCP),
+             "rdma_create_id");
     try {
         state_ = std::make_shared<detail::cm_id_state>(ch.state_, raw);
     } catch (...) {
@@ -287,9 +318,12 @@ cm_id::cm_id(cm_channel& ch) {
 cm_id::~cm_id() {
     if (!state_) return;
     state_->closed = true;
-    while (detail::waiter* w = state_->step_waiters.pop_front()) w->fulfil(ECANCELED);
-    while (detail::waiter* w = state_->accept_waiters.pop_front()) w->fulfil(ECANCELED);
-    while (detail::waiter* w = state_->disconnect_waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->step_waiters.pop_front())
+        w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->accept_waiters.pop_front())
+        w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->disconnect_waiters.pop_front())
+        w->fulfil(ECANCELED);
     state_->backlog.clear(); // unanswered requests are rejected
 }
 
@@ -320,7 +354,9 @@ void cm_id::listen(const sockaddr* addr, int backlog) {
     cm_check(rdma_listen(state_->id, backlog), "rdma_listen");
 }
 
-std::uint16_t cm_id::local_port() const noexcept { return ntohs(rdma_get_src_port(state_->id)); }
+std::uint16_t cm_id::local_port() const noexcept {
+    return ntohs(rdma_get_src_port(state_->id));
+}
 
 void cm_id::reject(std::span<const std::byte> data) {
     if (data.size() > 255) throw_system_error(EINVAL, "rdma_reject (private data > 255 bytes)");
@@ -379,7 +415,8 @@ std::vector<std::byte> cm_id::outcome(step k, int wait_error,
     if (r.type == expected[i]) return std::move(r.private_data);
     switch (r.type) {
     case RDMA_CM_EVENT_REJECTED:
-        throw connection_rejected(r.status, reject_reason_text(r.status), std::move(r.private_data));
+        throw connection_rejected(r.status, reject_reason_text(r.status),
+                                  std::move(r.private_data));
     case RDMA_CM_EVENT_DISCONNECTED:
         throw_system_error(ECONNRESET, std::string(name) + ": disconnected before established");
     default: {

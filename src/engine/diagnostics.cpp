@@ -29,8 +29,8 @@ void diagnose(const char* format, ...) noexcept {
     const int n = std::vsnprintf(line, sizeof line, format, args);
     va_end(args);
     if (n < 0) return;
-    const auto length = static_cast<std::size_t>(n) < sizeof line ? static_cast<std::size_t>(n)
-                                                                   : sizeof line - 1;
+    const auto length =
+        static_cast<std::size_t>(n) < sizeof line ? static_cast<std::size_t>(n) : sizeof line - 1;
     current_sink.load()(std::string_view(line, length));
 }
 

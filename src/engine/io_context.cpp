@@ -1,5 +1,5 @@
-#include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/engine/io_context.hpp>
 
 #include <ringverbs/engine/detail/uring_hooks.hpp>
 
@@ -150,7 +150,8 @@ io_context::~io_context() {
     running_context = outer;
     // What is still suspended waits for something that will never come (a when_all sibling,
     // a source that is gone): no kernel request refers to it any more, so it can go.
-    while (spawned_) std::coroutine_handle<detail::spawned_promise>::from_promise(*spawned_).destroy();
+    while (spawned_)
+        std::coroutine_handle<detail::spawned_promise>::from_promise(*spawned_).destroy();
     for (auto& e : reported_) {
         try {
             std::rethrow_exception(e);
@@ -161,7 +162,8 @@ io_context::~io_context() {
             detail::diagnose("exception from a spawned task lost at io_context destruction");
         }
     }
-    while (posters_.load() != 0) std::this_thread::yield();
+    while (posters_.load() != 0)
+        std::this_thread::yield();
     ::close(wake_fd_);
     io_uring_queue_exit(&ring_);
 }
@@ -280,7 +282,8 @@ void io_context::reap() {
 void io_context::enable_ring() {
     if (!ring_disabled_) return;
     // liburing 2.3 declares io_uring_enable_rings() but does not export it.
-    if (::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0) < 0)
+    if (::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0) <
+        0)
         throw_system_error(errno, "io_uring_register(IORING_REGISTER_ENABLE_RINGS)");
     ring_disabled_ = false;
 }
@@ -324,7 +327,8 @@ std::size_t io_context::resume_ready() {
     // itself, by yielding) lets this turn end and the ring be looked at again.
     resuming_.swap(ready_);
     std::size_t n = resuming_.size();
-    for (std::size_t i = 0; i < n; ++i) resuming_[i].resume();
+    for (std::size_t i = 0; i < n; ++i)
+        resuming_[i].resume();
     resuming_.clear();
     return n;
 }
@@ -333,7 +337,8 @@ void io_context::queue_poller(detail::poller* p) noexcept {
     if (p->queued) return;
     p->queued = true;
     detail::poller** at = &pollers_;
-    while (*at && (*at)->priority >= p->priority) at = &(*at)->next;
+    while (*at && (*at)->priority >= p->priority)
+        at = &(*at)->next;
     p->next = *at;
     *at = p;
 }
@@ -363,8 +368,7 @@ void io_context::run_pollers() {
 }
 
 bool io_context::out_of_work() const noexcept {
-    return in_flight_ == 0 && waiting_ == 0 &&
-           external_work_.load(std::memory_order_acquire) == 0;
+    return in_flight_ == 0 && waiting_ == 0 && external_work_.load(std::memory_order_acquire) == 0;
 }
 
 std::size_t io_context::run_once(bool block) {

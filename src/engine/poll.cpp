@@ -15,7 +15,8 @@ poll_stream::poll_stream(io_context& ctx, int fd, unsigned events)
 poll_stream::~poll_stream() {
     if (!state_) return; // moved from
     state* s = state_.get();
-    while (detail::waiter* w = s->waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = s->waiters.pop_front())
+        w->fulfil(ECANCELED);
     s->watch->release(); // cancelled; the watch frees itself on the kernel's last CQE
 }
 
@@ -38,7 +39,8 @@ void poll_stream::ready(void* owner, unsigned revents) noexcept {
 void poll_stream::failed(void* owner, int err) noexcept {
     auto* s = static_cast<state*>(owner);
     s->error = err;
-    while (detail::waiter* w = s->waiters.pop_front()) w->fulfil(err);
+    while (detail::waiter* w = s->waiters.pop_front())
+        w->fulfil(err);
 }
 
 } // namespace ringverbs

@@ -1,5 +1,5 @@
-#include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/channel.hpp>
 
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
@@ -11,7 +11,6 @@
 namespace ringverbs {
 
 namespace detail {
-
 
 channel_state::channel_state(io_context& c, const verbs::context& dev, const channel_options& o)
     : ctx(&c), channel(dev), device(dev.handle()), options(o), spin_window(o.hybrid_spin) {
@@ -45,7 +44,8 @@ void channel_state::fail(int err) noexcept {
     error = err;
     diagnose("completion channel fd %d: poll failed: %s", channel.fd(),
              std::system_category().message(err).c_str());
-    for (cq_state* c : cqs) c->fail_waiters(err);
+    for (cq_state* c : cqs)
+        c->fail_waiters(err);
 }
 
 // The most completions drain_cq takes per ibv_poll_cq, whatever poll_batch asks (its stack array).
@@ -74,7 +74,8 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
         counters.completions += n;
         c.counters.completions += n;
         total += n;
-        for (std::size_t i = 0; i < n; ++i) c.dispatch(wcs[i]);
+        for (std::size_t i = 0; i < n; ++i)
+            c.dispatch(wcs[i]);
         if (n < batch) break; // the CQ was empty when polled: nothing is stranded (armed first)
     }
     c.filling = nullptr;
@@ -111,7 +112,8 @@ std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
     const event_read read = read_events();
     if (read == event_read::failed) return std::nullopt;
     std::size_t found = 0;
-    for (cq_state* c : fired) found += service_fired(*c);
+    for (cq_state* c : fired)
+        found += service_fired(*c);
     if (read == event_read::interrupted) {
         fd_ready = true;
         detail::loop(*ctx).queue_poller(&service);
@@ -178,7 +180,8 @@ void channel_state::start_spin() noexcept {
 // busy, or hybrid inside its spin window: poll everything, arm nothing.
 std::size_t channel_state::poll_all() noexcept {
     std::size_t found = 0;
-    for (cq_state* c : cqs) found += drain_cq(*c);
+    for (cq_state* c : cqs)
+        found += drain_cq(*c);
     return found;
 }
 

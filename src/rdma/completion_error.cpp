@@ -4,7 +4,7 @@ namespace ringverbs {
 
 namespace {
 class wc_category final : public std::error_category {
-public:
+  public:
     const char* name() const noexcept override { return "ibv_wc_status"; }
     std::string message(int v) const override {
         return ibv_wc_status_str(static_cast<ibv_wc_status>(v));

@@ -1,5 +1,5 @@
-#include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/cq.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
@@ -12,8 +12,7 @@ namespace ringverbs {
 namespace detail {
 
 cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited)
-    : channel(std::move(ch)),
-      cq(channel->device, entries, &channel->channel, comp_vector, this),
+    : channel(std::move(ch)), cq(channel->device, entries, &channel->channel, comp_vector, this),
       solicited_only(solicited) {
     unsignaled.owner = this;
     unsignaled.on_wc = [](wr_op* op, const ibv_wc& wc, bool) noexcept {
@@ -83,8 +82,10 @@ void cq_state::arm() noexcept {
 void cq_state::set_armed(bool on) noexcept {
     if (on == armed) return;
     armed = on;
-    if (on) ++channel->armed_cqs;
-    else --channel->armed_cqs;
+    if (on)
+        ++channel->armed_cqs;
+    else
+        --channel->armed_cqs;
 }
 
 void cq_state::dispatch(const ibv_wc& wc) noexcept {
@@ -113,7 +114,8 @@ void cq_state::deliver(const ibv_wc& wc) noexcept {
     if (count == buffer.size()) {
         // Consumers fell behind by more than the CQ holds: grow (the only allocation here).
         std::vector<ibv_wc> bigger(buffer.size() * 2);
-        for (std::size_t i = 0; i < count; ++i) bigger[i] = buffer[(head + i) % buffer.size()];
+        for (std::size_t i = 0; i < count; ++i)
+            bigger[i] = buffer[(head + i) % buffer.size()];
         buffer = std::move(bigger);
         head = 0;
     }
@@ -130,7 +132,8 @@ bool cq_state::pop(ibv_wc& out) noexcept {
 }
 
 void cq_state::fail_waiters(int err) noexcept {
-    while (waiter* w = waiters.pop_front()) w->fulfil(err);
+    while (waiter* w = waiters.pop_front())
+        w->fulfil(err);
 }
 
 } // namespace detail

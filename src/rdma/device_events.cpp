@@ -1,5 +1,5 @@
-#include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/device_events.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/rdma_state.hpp>
@@ -31,7 +31,8 @@ device_events::device_events(io_context& ctx, const verbs::context& device)
     {
         std::lock_guard g(watched_lock);
         if (std::find(watched.begin(), watched.end(), dev) != watched.end())
-            throw_system_error(EBUSY, "device_events (this ibv_context's async events are already watched)");
+            throw_system_error(
+                EBUSY, "device_events (this ibv_context's async events are already watched)");
         watched.push_back(dev);
     }
     try {
@@ -55,7 +56,8 @@ device_events::device_events(io_context& ctx, const verbs::context& device)
 
 device_events::~device_events() {
     state_->closed = true;
-    while (detail::waiter* w = state_->waiters.pop_front()) w->fulfil(ECANCELED);
+    while (detail::waiter* w = state_->waiters.pop_front())
+        w->fulfil(ECANCELED);
     if (state_->watch) state_->watch->release(); // orphaned: it keeps the context open
     std::lock_guard g(watched_lock);
     std::erase(watched, state_->device.get());
@@ -64,7 +66,8 @@ device_events::~device_events() {
 void device_events::state::fail(int err) noexcept {
     error = err;
     detail::diagnose("async event fd: %s", std::system_category().message(err).c_str());
-    while (detail::waiter* w = waiters.pop_front()) w->fulfil(err);
+    while (detail::waiter* w = waiters.pop_front())
+        w->fulfil(err);
 }
 
 namespace {
@@ -153,7 +156,8 @@ void device_events::state::route(async_event& e) noexcept {
             e.routed = true;
             c.error = EOVERFLOW;
             c.fail_waiters(EOVERFLOW);
-            for (detail::qp_state* q : c.qps) q->to_error();
+            for (detail::qp_state* q : c.qps)
+                q->to_error();
         });
     } else if (e.qp && (e.type == IBV_EVENT_QP_FATAL || e.type == IBV_EVENT_QP_REQ_ERR ||
                         e.type == IBV_EVENT_QP_ACCESS_ERR)) {

@@ -36,8 +36,12 @@ void unregister_object(ibv_qp* qp) noexcept {
     std::lock_guard g(the_registry().lock);
     the_registry().qps.erase(qp);
 }
-void lock_registry() noexcept { the_registry().lock.lock(); }
-void unlock_registry() noexcept { the_registry().lock.unlock(); }
+void lock_registry() noexcept {
+    the_registry().lock.lock();
+}
+void unlock_registry() noexcept {
+    the_registry().lock.unlock();
+}
 cq_state* find_object(ibv_cq* cq) noexcept {
     auto& m = the_registry().cqs;
     auto it = m.find(cq);

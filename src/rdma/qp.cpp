@@ -1,9 +1,8 @@
-#include <ringverbs/rdma/qp.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/qp.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
-
 
 #include <algorithm>
 #include <chrono>
@@ -17,8 +16,8 @@ namespace detail {
 qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
                    std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
                    std::chrono::nanoseconds flush_timeout, bool overcommit)
-    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps), flush_timeout,
-               overcommit) {}
+    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps), flush_timeout, overcommit) {
+}
 
 namespace {
 
@@ -27,11 +26,14 @@ void check_commitment(const cq_state& c, std::size_t adding, const char* what) {
     const auto capacity = static_cast<std::size_t>(c.cq.capacity());
     if (c.committed + adding <= capacity) return;
     throw_system_error(
-        EINVAL, "qp: its CQ has " + std::to_string(capacity) + " entries but the QPs on it could "
-                "have " + std::to_string(c.committed + adding) + " requests outstanding (this one " +
-                std::to_string(adding) + " " + what + ", the others " + std::to_string(c.committed) +
-                "): a QP error flushes them all at once and overruns it. Give the CQ more entries "
-                "(cq_options::entries) or set qp_options::allow_cq_overcommit");
+        EINVAL,
+        "qp: its CQ has " + std::to_string(capacity) +
+            " entries but the QPs on it could "
+            "have " +
+            std::to_string(c.committed + adding) + " requests outstanding (this one " +
+            std::to_string(adding) + " " + what + ", the others " + std::to_string(c.committed) +
+            "): a QP error flushes them all at once and overruns it. Give the CQ more entries "
+            "(cq_options::entries) or set qp_options::allow_cq_overcommit");
 }
 
 } // namespace
@@ -72,7 +74,8 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
 
 qp_state::~qp_state() {
     unregister_object(qp.native());
-    while (waiter* w = close_waiters.pop_front()) w->fulfil(ECANCELED);
+    while (waiter* w = close_waiters.pop_front())
+        w->fulfil(ECANCELED);
     // release() keeps the state until nothing is owed; this is a last resort.
     if (pending_count > 0) reset(false);
     send_cq->committed -= committed_send;
@@ -90,15 +93,18 @@ void qp_state::link(wr_op* op) noexcept {
 }
 
 void qp_state::unlink(wr_op* op) noexcept {
-    if (op->prev) op->prev->next = op->next;
-    else pending = op->next;
+    if (op->prev)
+        op->prev->next = op->next;
+    else
+        pending = op->next;
     if (op->next) op->next->prev = op->prev;
     op->prev = op->next = nullptr;
     if (--pending_count == 0) owed_nothing();
 }
 
 void qp_state::owed_nothing() noexcept {
-    while (waiter* w = close_waiters.pop_front()) w->fulfil(0);
+    while (waiter* w = close_waiters.pop_front())
+        w->fulfil(0);
     if (!flush_timer_armed) return;
     try {
         detail::loop(*ctx).cancel(&flush_timer);
@@ -108,15 +114,19 @@ void qp_state::owed_nothing() noexcept {
 }
 
 void qp_state::sink_posted() noexcept {
-    if (sink_outstanding++ == 0) link(&sink);
-    else ++pending_count;
+    if (sink_outstanding++ == 0)
+        link(&sink);
+    else
+        ++pending_count;
 }
 
 void qp_state::sink_completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     qp_state* q = static_cast<sink_op*>(op)->owner;
     q->note_unsignaled(wc);
-    if (--q->sink_outstanding == 0) q->unlink(&q->sink);
-    else --q->pending_count; // > 0: the sink itself is still owed
+    if (--q->sink_outstanding == 0)
+        q->unlink(&q->sink);
+    else
+        --q->pending_count; // > 0: the sink itself is still owed
 }
 
 void qp_state::note_unsignaled(const ibv_wc& wc) noexcept {
@@ -133,9 +143,12 @@ void qp_state::move_to(ibv_qp_state state) {
     ibv_qp_attr attr{};
     attr.qp_state = state;
     if (const int rc = hooks().modify_qp(qp.native(), &attr, IBV_QP_STATE); rc != 0)
-        throw_system_error(verbs::verb_errno(rc),
-                           "ibv_modify_qp(qp " + std::to_string(qp.qp_num()) + " to " +
-                               (state == IBV_QPS_RESET ? "RESET" : state == IBV_QPS_ERR ? "ERR" : "?") + ")");
+        throw_system_error(verbs::verb_errno(rc), "ibv_modify_qp(qp " +
+                                                      std::to_string(qp.qp_num()) + " to " +
+                                                      (state == IBV_QPS_RESET ? "RESET"
+                                                       : state == IBV_QPS_ERR ? "ERR"
+                                                                              : "?") +
+                                                      ")");
 }
 
 void qp_state::to_error() noexcept {
@@ -180,8 +193,8 @@ void qp_state::watch_flush() noexcept {
         io_uring_prep_timeout(sqe, &flush_ts, 0, 0);
         io_uring_sqe_set_data(sqe, static_cast<operation*>(&flush_timer));
     } catch (const std::exception& e) {
-        diagnose("qp %u: no flush timer (%s): its %zu owed requests end now", qp.qp_num(),
-                 e.what(), pending_count);
+        diagnose("qp %u: no flush timer (%s): its %zu owed requests end now", qp.qp_num(), e.what(),
+                 pending_count);
         reset(false);
         return;
     }
@@ -197,9 +210,10 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
         if (res == -ETIME) {
             diagnose("qp %u: %zu requests still not flushed %lld ms after the QP entered the "
                      "error state: QP reset, their awaits end as never flushed",
-                         self->qp.qp_num(), self->pending_count,
-                         static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                    self->flush_timeout).count()));
+                     self->qp.qp_num(), self->pending_count,
+                     static_cast<long long>(
+                         std::chrono::duration_cast<std::chrono::milliseconds>(self->flush_timeout)
+                             .count()));
             self->reset(true);
         } else if (self->ctx->shutting_down()) {
             self->reset(false);
@@ -251,7 +265,7 @@ using detail::qp_state;
 using detail::wr_id_for;
 
 qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
-                       wait_options options) noexcept
+                     wait_options options) noexcept
     : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
     on_wc = &qp::request::completed;
     sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
@@ -297,7 +311,8 @@ qp::request::~request() {
 
 void qp::request::post() {
     if (posted_) return;
-    if (qp_->in_error) [[unlikely]] qp_->posting_while_in_error();
+    if (qp_->in_error) [[unlikely]]
+        qp_->posting_while_in_error();
     if (!signaled_ && post_unsignaled()) return;
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
@@ -307,12 +322,14 @@ void qp::request::post() {
             last = w;
         }
         last->send_flags |= IBV_SEND_SIGNALED;
-        if (qp_->send_cq->solicited_only && qp_->send_cq->channel->options.mode != polling_mode::busy)
-            throw_system_error(EINVAL, std::string(name_) +
-                                           ": the qp's send CQ is armed solicited-only, where a send "
-                                           "completion raises no event: this await could wait for "
-                                           "ever. Give the sends a CQ without "
-                                           "cq_options::solicited_only, or use busy polling");
+        if (qp_->send_cq->solicited_only &&
+            qp_->send_cq->channel->options.mode != polling_mode::busy)
+            throw_system_error(EINVAL,
+                               std::string(name_) +
+                                   ": the qp's send CQ is armed solicited-only, where a send "
+                                   "completion raises no event: this await could wait for "
+                                   "ever. Give the sends a CQ without "
+                                   "cq_options::solicited_only, or use busy polling");
         ibv_send_wr* bad = nullptr;
         int rc = hooks().post_send(qp_->qp.native(), head, &bad);
         if (rc != 0) {
@@ -324,7 +341,8 @@ void qp::request::post() {
         qp_->unsignaled_run = 0; // the signaled last request frees every slot before it
     } else {
         ibv_recv_wr* head = recv_chain_ ? recv_chain_ : &recv_wr_;
-        for (ibv_recv_wr* w = head; w; w = w->next) w->wr_id = wr_id_for(this, w->next == nullptr);
+        for (ibv_recv_wr* w = head; w; w = w->next)
+            w->wr_id = wr_id_for(this, w->next == nullptr);
         ibv_recv_wr* bad = nullptr;
         int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
         if (rc != 0) {
@@ -373,9 +391,10 @@ bool qp::request::post_unsignaled() {
     q.posted_in_error = false;
     result_ = ibv_wc{};
     result_.status = IBV_WC_SUCCESS;
-    result_.opcode = send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
-                         ? IBV_WC_RDMA_WRITE
-                         : IBV_WC_SEND;
+    result_.opcode =
+        send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
+            ? IBV_WC_RDMA_WRITE
+            : IBV_WC_SEND;
     result_.qp_num = q.qp.qp_num();
     posted_ = true;
     done_ = true;
@@ -451,7 +470,8 @@ ibv_wc qp::request::await_resume() {
     const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
                                first_error_.vendor_err == never_flushed_vendor_err;
     const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
-    if (stop_won() || interrupted == ECANCELED) throw_system_error(ECANCELED, std::string(name_) + note);
+    if (stop_won() || interrupted == ECANCELED)
+        throw_system_error(ECANCELED, std::string(name_) + note);
     if (interrupted == ETIMEDOUT) throw_system_error(ETIMEDOUT, std::string(name_) + note);
     if (never_flushed)
         throw_system_error(EIO, std::string(name_) +
@@ -460,7 +480,6 @@ ibv_wc qp::request::await_resume() {
                                     "reset; its buffer is free again");
     throw completion_error(first_error_, name_);
 }
-
 
 qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps,
        qp_options o)
@@ -471,7 +490,8 @@ namespace {
 verbs::queue_pair checked_adoption(verbs::queue_pair q, const cq& send_cq, const cq& recv_cq) {
     const ibv_qp* native = q.native();
     if (native == nullptr) throw_system_error(EINVAL, "qp: the adopted verbs::queue_pair is empty");
-    if (native->qp_type != IBV_QPT_RC) throw_system_error(EINVAL, "qp: the adopted QP is not an RC QP");
+    if (native->qp_type != IBV_QPT_RC)
+        throw_system_error(EINVAL, "qp: the adopted QP is not an RC QP");
     if (native->send_cq != send_cq.native() || native->recv_cq != recv_cq.native())
         throw_system_error(EINVAL, "qp: the adopted QP's send_cq/recv_cq are not the given cqs");
     return q;
@@ -530,7 +550,8 @@ qp::request qp::recv(local_buffer into, wait_options w) noexcept {
     return {state_.get(), request::kind::recv, "ibv_post_recv", r, std::move(w)};
 }
 
-qp::request qp::write(local_buffer data, remote_buffer to, send_options o, wait_options w) noexcept {
+qp::request qp::write(local_buffer data, remote_buffer to, send_options o,
+                      wait_options w) noexcept {
     wr_request r;
     r.opcode = o.imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
     r.local = data;
@@ -552,7 +573,7 @@ qp::request qp::read(local_buffer into, remote_buffer from, wait_options w) noex
 }
 
 qp::request qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
-                            std::uint64_t swap, wait_options w) noexcept {
+                             std::uint64_t swap, wait_options w) noexcept {
     wr_request r;
     r.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
     r.local = old_value;
@@ -564,7 +585,7 @@ qp::request qp::compare_swap(local_buffer old_value, remote_buffer at, std::uint
 }
 
 qp::request qp::fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
-                         wait_options w) noexcept {
+                          wait_options w) noexcept {
     wr_request r;
     r.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
     r.local = old_value;

@@ -7,16 +7,26 @@ namespace {
 // is a plain function that calls the verb.
 constexpr verbs_hooks real{
     [](ibv_cq* cq, int n, ibv_wc* wc) noexcept { return ibv_poll_cq(cq, n, wc); },
-    [](ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept { return ibv_post_send(qp, wr, bad); },
-    [](ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept { return ibv_post_recv(qp, wr, bad); },
+    [](ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+        return ibv_post_send(qp, wr, bad);
+    },
+    [](ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
+        return ibv_post_recv(qp, wr, bad);
+    },
     [](ibv_cq* cq, int solicited_only) noexcept { return ibv_req_notify_cq(cq, solicited_only); },
-    [](ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept { return ibv_get_cq_event(ch, cq, ctx); },
+    [](ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
+        return ibv_get_cq_event(ch, cq, ctx);
+    },
     [](ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept { return ibv_modify_qp(qp, attr, mask); },
 };
 verbs_hooks table = real;
 } // namespace
 
-verbs_hooks& hooks() noexcept { return table; }
-const verbs_hooks& real_verbs() noexcept { return real; }
+verbs_hooks& hooks() noexcept {
+    return table;
+}
+const verbs_hooks& real_verbs() noexcept {
+    return real;
+}
 
 } // namespace ringverbs::detail

@@ -39,13 +39,13 @@
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #include "alloc_counter.hpp"
 
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/task.hpp>
+#include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/rdma/cq.hpp>
-#include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/rdma/qp.hpp>
-#include <ringverbs/engine/task.hpp>
 #include <ringverbs/verbs.hpp>
-#include <ringverbs/engine/when_all.hpp>
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -91,13 +91,13 @@ struct config {
     int solicited = -1;       // -1: on for lat in events mode, off otherwise
     recv_style recv = recv_style::next;
     send_style send = send_style::unsignaled;
-    unsigned window = 128;     // rate: sends in flight
-    unsigned chain = 16;       // rate: requests per post_send / post_recv chain
+    unsigned window = 128;      // rate: sends in flight
+    unsigned chain = 16;        // rate: requests per post_send / post_recv chain
     unsigned recv_depth = 1024; // rate: receives posted at the server
     long hybrid_spin_us = 50;
     long hybrid_spin_max_us = 0; // channel_options::hybrid_spin_max (0: fixed window)
-    bool single_issuer = true; // io_context_options::single_issuer (DEFER_TASKRUN)
-    bool raw = false;          // lat: plain verbs, no runtime (the harness's floor)
+    bool single_issuer = true;   // io_context_options::single_issuer (DEFER_TASKRUN)
+    bool raw = false;            // lat: plain verbs, no runtime (the harness's floor)
     unsigned timeout_s = 120;
     unsigned ack_batch = 64;
     unsigned poll_batch = 32;
@@ -108,9 +108,12 @@ struct config {
 
 const char* mode_name(polling_mode m) {
     switch (m) {
-    case polling_mode::events: return "events";
-    case polling_mode::busy: return "busy";
-    case polling_mode::hybrid: return "hybrid";
+    case polling_mode::events:
+        return "events";
+    case polling_mode::busy:
+        return "busy";
+    case polling_mode::hybrid:
+        return "hybrid";
     }
     return "?";
 }
@@ -134,53 +137,86 @@ config parse(int argc, char** argv) {
         c.gid_index = static_cast<std::uint32_t>(std::stoul(g));
     if (argc < 2) usage();
     std::string_view t = argv[1];
-    if (t == "lat") c.test = test_kind::lat;
+    if (t == "lat")
+        c.test = test_kind::lat;
     else if (t == "rate") {
         c.test = test_kind::rate;
         c.size = 64;
         c.iters = 20000;
         c.warmup = 2048;
-    } else usage();
+    } else
+        usage();
     for (int i = 2; i < argc; ++i) {
         std::string_view a = argv[i];
         if (i + 1 >= argc) usage();
         std::string v = argv[++i];
         auto num = [&] { return std::stol(v); };
         if (a == "--mode") {
-            if (v == "events") c.mode = polling_mode::events;
-            else if (v == "busy") c.mode = polling_mode::busy;
-            else if (v == "hybrid") c.mode = polling_mode::hybrid;
-            else usage();
-        } else if (a == "--iters") c.iters = num();
-        else if (a == "--warmup") c.warmup = num();
-        else if (a == "--size") c.size = static_cast<std::uint32_t>(num());
-        else if (a == "--inline") c.inline_data = num() != 0;
-        else if (a == "--solicited") c.solicited = num() != 0;
+            if (v == "events")
+                c.mode = polling_mode::events;
+            else if (v == "busy")
+                c.mode = polling_mode::busy;
+            else if (v == "hybrid")
+                c.mode = polling_mode::hybrid;
+            else
+                usage();
+        } else if (a == "--iters")
+            c.iters = num();
+        else if (a == "--warmup")
+            c.warmup = num();
+        else if (a == "--size")
+            c.size = static_cast<std::uint32_t>(num());
+        else if (a == "--inline")
+            c.inline_data = num() != 0;
+        else if (a == "--solicited")
+            c.solicited = num() != 0;
         else if (a == "--recv") {
-            if (v == "next") c.recv = recv_style::next;
-            else if (v == "await") c.recv = recv_style::await;
-            else usage();
+            if (v == "next")
+                c.recv = recv_style::next;
+            else if (v == "await")
+                c.recv = recv_style::await;
+            else
+                usage();
         } else if (a == "--send") {
-            if (v == "await") c.send = send_style::await;
-            else if (v == "unsignaled") c.send = send_style::unsignaled;
-            else if (v == "raw") c.send = send_style::raw;
-            else usage();
-        } else if (a == "--window") c.window = static_cast<unsigned>(num());
-        else if (a == "--chain") c.chain = static_cast<unsigned>(num());
-        else if (a == "--recv-depth") c.recv_depth = static_cast<unsigned>(num());
-        else if (a == "--hybrid-spin-us") c.hybrid_spin_us = num();
-        else if (a == "--hybrid-spin-max-us") c.hybrid_spin_max_us = num();
-        else if (a == "--ack-batch") c.ack_batch = static_cast<unsigned>(num());
-        else if (a == "--poll-batch") c.poll_batch = static_cast<unsigned>(num());
-        else if (a == "--device") c.device = v;
-        else if (a == "--gid-index") c.gid_index = static_cast<std::uint32_t>(num());
-        else if (a == "--raw") c.raw = num() != 0;
+            if (v == "await")
+                c.send = send_style::await;
+            else if (v == "unsignaled")
+                c.send = send_style::unsignaled;
+            else if (v == "raw")
+                c.send = send_style::raw;
+            else
+                usage();
+        } else if (a == "--window")
+            c.window = static_cast<unsigned>(num());
+        else if (a == "--chain")
+            c.chain = static_cast<unsigned>(num());
+        else if (a == "--recv-depth")
+            c.recv_depth = static_cast<unsigned>(num());
+        else if (a == "--hybrid-spin-us")
+            c.hybrid_spin_us = num();
+        else if (a == "--hybrid-spin-max-us")
+            c.hybrid_spin_max_us = num();
+        else if (a == "--ack-batch")
+            c.ack_batch = static_cast<unsigned>(num());
+        else if (a == "--poll-batch")
+            c.poll_batch = static_cast<unsigned>(num());
+        else if (a == "--device")
+            c.device = v;
+        else if (a == "--gid-index")
+            c.gid_index = static_cast<std::uint32_t>(num());
+        else if (a == "--raw")
+            c.raw = num() != 0;
         else if (a == "--ring") {
-            if (v == "defer") c.single_issuer = true;
-            else if (v == "coop") c.single_issuer = false;
-            else usage();
-        } else if (a == "--timeout") c.timeout_s = static_cast<unsigned>(num());
-        else usage();
+            if (v == "defer")
+                c.single_issuer = true;
+            else if (v == "coop")
+                c.single_issuer = false;
+            else
+                usage();
+        } else if (a == "--timeout")
+            c.timeout_s = static_cast<unsigned>(num());
+        else
+            usage();
     }
     if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
     if (c.send == send_style::raw && c.recv != recv_style::next) usage();
@@ -305,7 +341,9 @@ struct window {
         out->ch.completions = k.completions - k0.completions;
         out->vcsw = static_cast<std::uint64_t>(r1.ru_nvcsw - r0.ru_nvcsw);
         out->ivcsw = static_cast<std::uint64_t>(r1.ru_nivcsw - r0.ru_nivcsw);
-        auto us = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_usec); };
+        auto us = [](const timeval& t) {
+            return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_usec);
+        };
         out->cpu_us = us(r1.ru_utime) - us(r0.ru_utime) + us(r1.ru_stime) - us(r0.ru_stime);
     }
 };
@@ -328,8 +366,10 @@ struct handoff {
     std::coroutine_handle<> waiter;
     long pending = 0;
     void signal() {
-        if (waiter) ringverbs::detail::loop(*io).ready(std::exchange(waiter, {}));
-        else ++pending;
+        if (waiter)
+            ringverbs::detail::loop(*io).ready(std::exchange(waiter, {}));
+        else
+            ++pending;
     }
     auto wait() noexcept {
         struct awaiter {
@@ -399,8 +439,8 @@ struct side {
 
     side(const config& k, bool is_client, int s)
         : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev),
-          io(io_context_options{.sq_entries = 256, .cq_entries = 4096,
-                                .single_issuer = k.single_issuer}),
+          io(io_context_options{
+              .sq_entries = 256, .cq_entries = 4096, .single_issuer = k.single_issuer}),
           ch(io, dev,
              channel_options{.priority = 0,
                              .mode = k.mode,
@@ -419,7 +459,8 @@ struct side {
                            .max_recv_wr = k.test == test_kind::rate ? k.recv_depth + 16 : 64,
                            .max_send_sge = 1,
                            .max_recv_sge = 1,
-                           .max_inline_data = k.inline_data ? std::max<std::uint32_t>(k.size, 64) : 0}) {
+                           .max_inline_data =
+                               k.inline_data ? std::max<std::uint32_t>(k.size, 64) : 0}) {
         win.ch = &ch;
         win.out = &stats;
     }
@@ -456,15 +497,17 @@ struct side {
     };
 
     local_buffer lat_payload(lat_state& ls) {
-        return cfg.inline_data ? local_buffer::inline_data(std::span<const std::byte>(
-                                     ls.sbuf.bytes.data(), cfg.size))
+        return cfg.inline_data ? local_buffer::inline_data(
+                                     std::span<const std::byte>(ls.sbuf.bytes.data(), cfg.size))
                                : ls.sbuf.at(0, cfg.size);
     }
     // --send unsignaled: the payload is never written during the run, so a non-inline
     // unsignaled send is safe too (its buffer is only read, and stays untouched).
     send_options lat_send_options() const {
-        return send_options{.imm = {}, .inline_data = cfg.inline_data,
-                            .solicited = cfg.solicited != 0, .fence = false,
+        return send_options{.imm = {},
+                            .inline_data = cfg.inline_data,
+                            .solicited = cfg.solicited != 0,
+                            .fence = false,
                             .signaled = cfg.send != send_style::unsignaled};
     }
 
@@ -483,15 +526,16 @@ struct side {
         q.native_qp().post_send(wr);
     }
 
-    // --send raw (for comparison only: what perftest does, outside the runtime): the send is posted with the verbs call, unsignaled but for one in
-    // 32 (to free send queue slots), and nobody awaits it; its rare completion is skipped by
-    // the cq.next() consumer.
+    // --send raw (for comparison only: what perftest does, outside the runtime): the send is posted
+    // with the verbs call, unsignaled but for one in 32 (to free send queue slots), and nobody
+    // awaits it; its rare completion is skipped by the cq.next() consumer.
     static constexpr std::uint64_t raw_send_id = 0xffffffffu;
     long raw_sends = 0;
     ibv_sge raw_sge{};
     ibv_send_wr raw_wr{};
     void post_raw_send(lat_state& ls) {
-        raw_sge = {reinterpret_cast<std::uintptr_t>(ls.sbuf.bytes.data()), cfg.size, ls.sbuf.mr.lkey()};
+        raw_sge = {reinterpret_cast<std::uintptr_t>(ls.sbuf.bytes.data()), cfg.size,
+                   ls.sbuf.mr.lkey()};
         raw_wr = {};
         raw_wr.wr_id = raw_send_id;
         raw_wr.sg_list = &raw_sge;
@@ -524,7 +568,8 @@ struct side {
                 wc = co_await c.next();
             } else {
                 post_raw_send(ls);
-                do wc = co_await c.next();
+                do
+                    wc = co_await c.next();
                 while (raw_send_done(wc));
             }
             check(wc, "pong recv");
@@ -542,16 +587,20 @@ struct side {
         for (long i = 0; i < total; ++i) {
             if (i == cfg.warmup) win.begin();
             ibv_wc wc;
-            do wc = co_await c.next();
+            do
+                wc = co_await c.next();
             while (raw_send_done(wc));
             check(wc, "ping recv");
             q.native_qp().post_recv(ls.rwr[wc.wr_id]);
-            if (cfg.send != send_style::raw) check(co_await q.send(payload, so), "pong send");
-            else post_raw_send(ls);
+            if (cfg.send != send_style::raw)
+                check(co_await q.send(payload, so), "pong send");
+            else
+                post_raw_send(ls);
         }
         win.end(static_cast<std::uint64_t>(cfg.iters));
         ibv_wc fin;
-        do fin = co_await c.next();
+        do
+            fin = co_await c.next();
         while (raw_send_done(fin));
         check(fin, "fin recv");
     }
@@ -604,7 +653,8 @@ struct side {
         const long total = cfg.warmup + cfg.iters;
         connect();
         if (cfg.recv == recv_style::next) {
-            for (auto& w : ls.rwr) q.native_qp().post_recv(w); // INIT or later: after connect()
+            for (auto& w : ls.rwr)
+                q.native_qp().post_recv(w); // INIT or later: after connect()
             barrier();
             io.run(client ? lat_client_next(ls) : lat_server_next(ls));
         } else if (client) {
@@ -616,7 +666,8 @@ struct side {
         if (client) {
             half_rtt_us.reserve(static_cast<std::size_t>(cfg.iters));
             for (long i = cfg.warmup; i < total; ++i) {
-                auto d = ls.stamps[static_cast<std::size_t>(i + 1)] - ls.stamps[static_cast<std::size_t>(i)];
+                auto d = ls.stamps[static_cast<std::size_t>(i + 1)] -
+                         ls.stamps[static_cast<std::size_t>(i)];
                 half_rtt_us.push_back(static_cast<double>(d) / tsc_per_us / 2.0);
             }
         }
@@ -688,7 +739,8 @@ struct side {
         }
         std::vector<task<void>> tasks;
         tasks.reserve(n);
-        for (rate_chain& ch : rs.chains) tasks.push_back(client ? rate_sender(rs, ch) : rate_receiver(rs, ch));
+        for (rate_chain& ch : rs.chains)
+            tasks.push_back(client ? rate_sender(rs, ch) : rate_receiver(rs, ch));
         connect();
         if (client) {
             barrier(); // the server's receives are posted (its barrier follows them)
@@ -732,8 +784,12 @@ struct raw_side {
         : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev), chan(dev),
           cq(dev, 256, &chan, 0, nullptr),
           qp(pd, cq, cq,
-             verbs::qp_caps{.max_send_wr = 128, .max_recv_wr = 64, .max_send_sge = 1, .max_recv_sge = 1,
-                            .max_inline_data = k.inline_data ? std::max<std::uint32_t>(k.size, 64) : 0}),
+             verbs::qp_caps{.max_send_wr = 128,
+                            .max_recv_wr = 64,
+                            .max_send_sge = 1,
+                            .max_recv_sge = 1,
+                            .max_inline_data =
+                                k.inline_data ? std::max<std::uint32_t>(k.size, 64) : 0}),
           sbuf(pd, std::max<std::size_t>(k.size, 64)),
           rbuf(pd, std::max<std::size_t>(k.size, 64) * slots),
           stamps(static_cast<std::size_t>(k.warmup + k.iters + 1)),
@@ -780,7 +836,8 @@ struct raw_side {
             }
             ibv_wc wc[4];
             int n;
-            do n = ibv_poll_cq(cq.native(), 4, wc);
+            do
+                n = ibv_poll_cq(cq.native(), 4, wc);
             while (n == 0 && !events);
             if (n < 0) throw std::runtime_error("ibv_poll_cq failed");
             ibv_wc got{};
@@ -798,7 +855,8 @@ struct raw_side {
     void run(std::vector<double>& half_rtt_us) {
         const long total = cfg.warmup + cfg.iters;
         connect_qp(qp, dev, cfg, sock);
-        for (auto& w : rwr) qp.post_recv(w);
+        for (auto& w : rwr)
+            qp.post_recv(w);
         sync_with_peer(sock);
         if (client) {
             for (long i = 0; i < total; ++i) {
@@ -861,15 +919,20 @@ int run_process(const config& cfg, bool client, int sock, std::vector<double>& s
         } else {
             side s(cfg, client, sock);
             ring_flags = s.io.setup_flags();
-            if (cfg.test == test_kind::lat) s.run_lat(samples);
-            else s.run_rate();
+            if (cfg.test == test_kind::lat)
+                s.run_lat(samples);
+            else
+                s.run_rate();
             mine = s.stats;
         }
-        if (client) read_all(sock, &server, sizeof server);
-        else write_all(sock, &mine, sizeof mine);
+        if (client)
+            read_all(sock, &server, sizeof server);
+        else
+            write_all(sock, &mine, sizeof mine);
         return 0;
     } catch (const std::exception& e) {
-        std::snprintf(mine.error, sizeof mine.error, "%s: %s", client ? "client" : "server", e.what());
+        std::snprintf(mine.error, sizeof mine.error, "%s: %s", client ? "client" : "server",
+                      e.what());
         std::fprintf(stderr, "rdma_bench: %s\n", mine.error);
         ::shutdown(sock, SHUT_RDWR); // unblocks the peer if it waits on the socketpair
         return 1;
@@ -936,11 +999,12 @@ int main(int argc, char** argv) {
         std::printf("  \"raw\": %s,\n", cfg.raw ? "true" : "false");
         std::printf("  \"recv\": \"%s\",\n  \"send\": \"%s\",\n",
                     cfg.recv == recv_style::next ? "next" : "await",
-                    cfg.send == send_style::await       ? "await"
+                    cfg.send == send_style::await        ? "await"
                     : cfg.send == send_style::unsignaled ? "unsignaled"
                                                          : "raw");
         double sum = 0;
-        for (double x : samples) sum += x;
+        for (double x : samples)
+            sum += x;
         std::printf("  \"unit\": \"us, half a round trip (as ib_send_lat)\",\n");
         std::printf("  \"typical_us\": %.3f,\n  \"avg_us\": %.3f,\n  \"min_us\": %.3f,\n",
                     percentile(samples, 0.5), sum / static_cast<double>(samples.size()),
@@ -966,8 +1030,9 @@ int main(int argc, char** argv) {
     print_counters("server", sst, true);
     std::printf("}\n");
     if (allocs != 0) {
-        std::fprintf(stderr, "rdma_bench: the timed part allocated %" PRIu64
-                             " times (%.4f per message): the hot path must not allocate\n",
+        std::fprintf(stderr,
+                     "rdma_bench: the timed part allocated %" PRIu64
+                     " times (%.4f per message): the hot path must not allocate\n",
                      allocs, per_msg);
         return 3;
     }

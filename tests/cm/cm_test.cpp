@@ -24,7 +24,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::errc errc_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+std::errc errc_of(const std::system_error& e) {
+    return static_cast<std::errc>(e.code().value());
+}
 
 // The IPv4 address of the test device: $RINGVERBS_ADDR (the VM harness), else the address its
 // RoCE v2 GID carries. rdma_cm cannot bind 127.0.0.1 on rxe.
@@ -46,7 +48,9 @@ sockaddr_in addr_at(const std::string& ip, std::uint16_t port) {
     return a;
 }
 
-const sockaddr* sa(const sockaddr_in& a) { return reinterpret_cast<const sockaddr*>(&a); }
+const sockaddr* sa(const sockaddr_in& a) {
+    return reinterpret_cast<const sockaddr*>(&a);
+}
 
 std::vector<std::byte> bytes_of(const char* s) {
     std::vector<std::byte> v(std::strlen(s));
@@ -320,8 +324,10 @@ TEST_CASE("disconnect from either side mid-stream: the other side's pending rece
             auto r2 = q.recv(in.local(128, 64));
             auto r3 = q.recv(in.local(192, 64));
             r0.post(), r1.post(), r2.post(), r3.post();
-            if (connector) co_await id.connect({}, wait_options(10s));
-            else co_await id.accept_connection({}, wait_options(10s));
+            if (connector)
+                co_await id.connect({}, wait_options(10s));
+            else
+                co_await id.accept_connection({}, wait_options(10s));
             co_await r0;
             ++delivered;
             for (auto* r : {&r1, &r2, &r3}) {
@@ -340,8 +346,10 @@ TEST_CASE("disconnect from either side mid-stream: the other side's pending rece
         auto leave = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
             auto mine = q.recv(in.local(0, 64));
             mine.post();
-            if (connector) co_await id.connect({}, wait_options(10s));
-            else co_await id.accept_connection({}, wait_options(10s));
+            if (connector)
+                co_await id.connect({}, wait_options(10s));
+            else
+                co_await id.accept_connection({}, wait_options(10s));
             co_await q.send(out.local(0, 64));
             co_await id.disconnect(wait_options(10s));
             try {
@@ -354,15 +362,19 @@ TEST_CASE("disconnect from either side mid-stream: the other side's pending rece
         auto server = [&]() -> task<void> {
             cm_id conn = co_await listener.accept(wait_options(10s));
             qp q = conn.make_qp(pd, cq_server, cq_server);
-            if (client_leaves) co_await stay(conn, q, server_in, false);
-            else co_await leave(conn, q, server_in, false);
+            if (client_leaves)
+                co_await stay(conn, q, server_in, false);
+            else
+                co_await leave(conn, q, server_in, false);
         };
         auto client = [&]() -> task<void> {
             cm_id id(events);
             co_await resolve(id, at);
             qp q = id.make_qp(pd, cq_client, cq_client);
-            if (client_leaves) co_await leave(id, q, client_in, true);
-            else co_await stay(id, q, client_in, true);
+            if (client_leaves)
+                co_await leave(id, q, client_in, true);
+            else
+                co_await stay(id, q, client_in, true);
         };
         io.run(when_all(server(), client()));
         CHECK(delivered == 1);

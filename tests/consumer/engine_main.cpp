@@ -33,7 +33,8 @@ int main() {
         (void)nothing;
         ::close(fd);
         if ((revents & POLLIN) == 0) {
-            std::fprintf(stderr, "consumer-engine: poll gave revents %#x, not POLLIN\n", static_cast<unsigned>(revents));
+            std::fprintf(stderr, "consumer-engine: poll gave revents %#x, not POLLIN\n",
+                         static_cast<unsigned>(revents));
             return 1;
         }
         std::printf("consumer-engine: co_await poll on an eventfd after a timer: POLLIN\n");

@@ -5,14 +5,14 @@
 // 2. Opens an RDMA device ($RINGVERBS_DEVICE, else $RDMA_DEVICE, else the first one with an
 //    active port), connects two RC queue pairs to each other and co_awaits one send and its
 //    receive. Exits 77 (skip) when there is no RDMA device, 1 on any failure.
-#include <ringverbs/rdma/channel.hpp>
-#include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/engine/io_context.hpp>
-#include <ringverbs/rdma/qp.hpp>
 #include <ringverbs/engine/task.hpp>
 #include <ringverbs/engine/timer.hpp>
-#include <ringverbs/verbs.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/verbs.hpp>
 
 #include <infiniband/verbs.h>
 
@@ -87,7 +87,9 @@ std::optional<rdma_port> find_port() {
     return rdma_port{std::move(*ctx), port, gid_index};
 }
 
-task<void> nap(io_context& io) { co_await sleep_for(io, std::chrono::milliseconds(1)); }
+task<void> nap(io_context& io) {
+    co_await sleep_for(io, std::chrono::milliseconds(1));
+}
 
 int run() {
     io_context io;
@@ -107,7 +109,8 @@ int run() {
     verbs::connect_loopback(a.native_qp(), b.native_qp(), dev->port, dev->gid_index);
 
     std::vector<std::byte> out(256), in(256);
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<std::byte>(i * 7 + 1);
+    for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = static_cast<std::byte>(i * 7 + 1);
     verbs::memory_region mr_out(pd, out), mr_in(pd, in);
 
     auto receiver = [&]() -> task<ibv_wc> { co_return co_await b.recv(local_buffer(mr_in, in)); };

@@ -14,7 +14,9 @@ namespace {
 
 std::vector<std::string> captured;
 
-void capture(std::string_view message) noexcept { captured.emplace_back(message); }
+void capture(std::string_view message) noexcept {
+    captured.emplace_back(message);
+}
 
 // Restores the default sink whatever the test does.
 struct sink_guard {

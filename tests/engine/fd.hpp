@@ -28,7 +28,9 @@ struct unique_fd {
     int get() const { return fd; }
 };
 
-inline unique_fd make_eventfd() { return unique_fd{::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)}; }
+inline unique_fd make_eventfd() {
+    return unique_fd{::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)};
+}
 
 inline void signal(const unique_fd& efd, std::uint64_t n = 1) {
     if (::write(efd.get(), &n, sizeof n) != sizeof n) throw std::runtime_error("eventfd write");

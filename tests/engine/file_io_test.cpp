@@ -51,7 +51,8 @@ TEST_CASE("write then read through a pipe") {
         int w = co_await ringverbs::write(ctx, p.wr.get(), bytes(msg));
         CHECK(w == static_cast<int>(msg.size()));
         int r = co_await ringverbs::read(ctx, p.rd.get(), buf);
-        co_return std::string(reinterpret_cast<const char*>(buf.data()), static_cast<std::size_t>(r));
+        co_return std::string(reinterpret_cast<const char*>(buf.data()),
+                              static_cast<std::size_t>(r));
     };
     CHECK(ctx.run(t()) == msg);
 }
@@ -66,7 +67,8 @@ TEST_CASE("read and write at offsets in a file") {
     auto t = [&]() -> task<std::string> {
         co_await ringverbs::write(ctx, fd, bytes(data), 0);
         int r = co_await ringverbs::read(ctx, fd, buf, 3);
-        co_return std::string(reinterpret_cast<const char*>(buf.data()), static_cast<std::size_t>(r));
+        co_return std::string(reinterpret_cast<const char*>(buf.data()),
+                              static_cast<std::size_t>(r));
     };
     CHECK(ctx.run(t()) == "3456");
     std::fclose(f);

@@ -10,10 +10,10 @@
 
 #include <atomic>
 #include <barrier>
-#include <optional>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -213,14 +213,16 @@ TEST_CASE("a loop that never sleeps still collects CQEs the kernel kept in its o
         CAPTURE(single_issuer);
         // A completion ring of 8 for 64 timers that expire together: most of their CQEs go
         // to the kernel's overflow list.
-        io_context io(ringverbs::io_context_options{.sq_entries = 4, .cq_entries = 8, .single_issuer = single_issuer});
+        io_context io(ringverbs::io_context_options{
+            .sq_entries = 4, .cq_entries = 8, .single_issuer = single_issuer});
         constexpr int timers = 64;
         int fired = 0;
         auto sleeper = [&]() -> task<void> {
             co_await sleep_for(io, 20ms);
             ++fired;
         };
-        for (int i = 0; i < timers; ++i) io.spawn(sleeper());
+        for (int i = 0; i < timers; ++i)
+            io.spawn(sleeper());
         // Ready again every turn: the loop never takes a blocking wait, so only an explicit
         // look at the overflow list (and at task work) collects the timers.
         long turns = 0;
@@ -236,7 +238,8 @@ TEST_CASE("a loop that never sleeps still collects CQEs the kernel kept in its o
     }
 }
 
-TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop gets no SQE for it") {
+TEST_CASE(
+    "the cross-thread wakeup is re-armed on a later turn when the CQE loop gets no SQE for it") {
     io_context io;
     io.run_once(false); // the ring is enabled, the wakeup read armed
     // A request whose CQE, reaped just before the wakeup's, leaves the submission ring full
@@ -266,7 +269,8 @@ TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop
     // A loop that blocks is still woken by the next cross-thread post.
     std::atomic<bool> finished{false};
     std::thread guard([&] {
-        for (int i = 0; i < 600 && !finished.load(); ++i) std::this_thread::sleep_for(50ms);
+        for (int i = 0; i < 600 && !finished.load(); ++i)
+            std::this_thread::sleep_for(50ms);
         if (!finished.load()) {
             std::fprintf(stderr, "the wakeup was not re-armed: run_once(true) never returned\n");
             std::abort();
@@ -276,7 +280,8 @@ TEST_CASE("the cross-thread wakeup is re-armed on a later turn when the CQE loop
         std::this_thread::sleep_for(50ms);
         io.post([&] { ++posted; });
     });
-    while (posted.load() < 2) io.run_once(true);
+    while (posted.load() < 2)
+        io.run_once(true);
     finished = true;
     later.join();
     guard.join();

@@ -32,13 +32,17 @@ static_assert(std::is_same_v<decltype(std::declval<ringverbs::poll_stream&>().ne
 static_assert(!std::is_move_constructible_v<ringverbs::poll_stream::next_awaitable>);
 
 namespace {
-std::errc error_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+std::errc error_of(const std::system_error& e) {
+    return static_cast<std::errc>(e.code().value());
+}
 } // namespace
 
 TEST_CASE("poll gives the revents once the fd is ready") {
     io_context ctx;
     auto efd = test::make_eventfd();
-    auto waiter = [&]() -> task<unsigned> { co_return co_await ringverbs::poll(ctx, efd.get(), POLLIN); };
+    auto waiter = [&]() -> task<unsigned> {
+        co_return co_await ringverbs::poll(ctx, efd.get(), POLLIN);
+    };
     auto signaller = [&]() -> task<void> {
         co_await ringverbs::sleep_for(ctx, 1ms);
         test::signal(efd);
@@ -91,16 +95,20 @@ TEST_CASE("100,000 concurrent polls all complete") {
     constexpr int fds = 100;
     constexpr int polls = 100'000;
     std::vector<test::unique_fd> efds;
-    for (int i = 0; i < fds; ++i) efds.push_back(test::make_eventfd());
+    for (int i = 0; i < fds; ++i)
+        efds.push_back(test::make_eventfd());
     int completed = 0;
     auto waiter = [&](int fd) -> task<void> {
         unsigned ev = co_await ringverbs::poll(ctx, fd, POLLIN);
         if (ev & POLLIN) ++completed;
     };
-    for (int i = 0; i < polls; ++i) ctx.spawn(waiter(efds[static_cast<std::size_t>(i % fds)].get()));
-    while (ctx.operations_in_flight() < polls) ctx.run_once(false);
+    for (int i = 0; i < polls; ++i)
+        ctx.spawn(waiter(efds[static_cast<std::size_t>(i % fds)].get()));
+    while (ctx.operations_in_flight() < polls)
+        ctx.run_once(false);
     CHECK(completed == 0);
-    for (auto& e : efds) test::signal(e);
+    for (auto& e : efds)
+        test::signal(e);
     ctx.run();
     CHECK(completed == polls);
 }
@@ -143,8 +151,8 @@ TEST_CASE("cancelling a poll races its completion: every wait ends exactly once"
         test::drain(efd);
     }
     CHECK(ready + cancelled == rounds);
-    CHECK(cancelled >= rounds / 3);  // the rounds that stopped first were cancelled
-    CHECK(ready >= rounds / 3);      // the rounds that signalled first were served
+    CHECK(cancelled >= rounds / 3); // the rounds that stopped first were cancelled
+    CHECK(ready >= rounds / 3);     // the rounds that signalled first were served
     MESSAGE("ready " << ready << ", cancelled " << cancelled);
     CHECK(ctx.operations_in_flight() == 0);
 }
@@ -170,7 +178,8 @@ TEST_CASE("poll_stream delivers merged events and waiters in FIFO order") {
     ctx.spawn(waiter(2));
     ctx.spawn(waiter(3));
     ctx.spawn(signaller());
-    while (order.size() < 3) ctx.run_once(true);
+    while (order.size() < 3)
+        ctx.run_once(true);
     CHECK(order == std::vector<int>{1, 2, 3});
 }
 
@@ -212,8 +221,10 @@ TEST_CASE("a multishot poll that the kernel ends is re-armed and loses nothing")
     constexpr int rounds = 20;
     std::vector<test::unique_fd> efds;
     std::vector<ringverbs::poll_stream> streams;
-    for (int i = 0; i < n; ++i) efds.push_back(test::make_eventfd());
-    for (int i = 0; i < n; ++i) streams.emplace_back(ctx, efds[static_cast<std::size_t>(i)].get(), POLLIN);
+    for (int i = 0; i < n; ++i)
+        efds.push_back(test::make_eventfd());
+    for (int i = 0; i < n; ++i)
+        streams.emplace_back(ctx, efds[static_cast<std::size_t>(i)].get(), POLLIN);
     int delivered = 0;
     auto consumer = [&](std::size_t i) -> task<void> {
         for (int r = 0; r < rounds; ++r) {
@@ -222,14 +233,18 @@ TEST_CASE("a multishot poll that the kernel ends is re-armed and loses nothing")
             ++delivered;
         }
     };
-    for (std::size_t i = 0; i < n; ++i) ctx.spawn(consumer(i));
+    for (std::size_t i = 0; i < n; ++i)
+        ctx.spawn(consumer(i));
     ctx.run_once(false);
     for (int r = 0; r < rounds; ++r) {
-        for (auto& e : efds) test::signal(e);
-        while (delivered < (r + 1) * n) ctx.run_once(true);
+        for (auto& e : efds)
+            test::signal(e);
+        while (delivered < (r + 1) * n)
+            ctx.run_once(true);
     }
     std::uint64_t rearms = 0;
-    for (auto& s : streams) rearms += s.rearms();
+    for (auto& s : streams)
+        rearms += s.rearms();
     MESSAGE("re-arms after the kernel ended the multishot poll: " << rearms);
     CHECK(delivered == n * rounds);
     CHECK(rearms > 0);

@@ -56,7 +56,9 @@ struct listener {
     }
 };
 
-test::unique_fd tcp_socket() { return test::unique_fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)}; }
+test::unique_fd tcp_socket() {
+    return test::unique_fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+}
 
 } // namespace
 
@@ -77,12 +79,14 @@ TEST_CASE("accept, connect, send and recv on loopback") {
     };
     auto client = [&]() -> task<std::string> {
         auto s = tcp_socket();
-        co_await ringverbs::connect(ctx, s.get(), reinterpret_cast<sockaddr*>(&l.addr), sizeof l.addr);
+        co_await ringverbs::connect(ctx, s.get(), reinterpret_cast<sockaddr*>(&l.addr),
+                                    sizeof l.addr);
         std::string msg = "hello";
         co_await ringverbs::send(ctx, s.get(), std::as_bytes(std::span(msg.data(), msg.size())));
         std::vector<std::byte> buf(100);
         int n = co_await ringverbs::recv(ctx, s.get(), buf, wait_options{10s});
-        co_return std::string(reinterpret_cast<const char*>(buf.data()), static_cast<std::size_t>(n));
+        co_return std::string(reinterpret_cast<const char*>(buf.data()),
+                              static_cast<std::size_t>(n));
     };
     auto [served, echoed] = ctx.run(ringverbs::when_all(server(), client()));
     CHECK(served == "hello");
@@ -99,7 +103,8 @@ TEST_CASE("connect where nothing listens gives connection_refused naming connect
     auto t = [&]() -> task<std::string> {
         auto s = tcp_socket();
         try {
-            co_await ringverbs::connect(ctx, s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+            co_await ringverbs::connect(ctx, s.get(), reinterpret_cast<sockaddr*>(&addr),
+                                        sizeof addr);
         } catch (const std::system_error& e) {
             CHECK(e.code() == std::errc::connection_refused);
             co_return e.what();
@@ -115,7 +120,8 @@ TEST_CASE("recv times out and accept is cancelled by its stop_token") {
     std::stop_source src;
     auto t = [&]() -> task<void> {
         auto s = tcp_socket();
-        co_await ringverbs::connect(ctx, s.get(), reinterpret_cast<sockaddr*>(&l.addr), sizeof l.addr);
+        co_await ringverbs::connect(ctx, s.get(), reinterpret_cast<sockaddr*>(&l.addr),
+                                    sizeof l.addr);
         std::vector<std::byte> buf(8);
         CHECK_THROWS_AS(co_await ringverbs::recv(ctx, s.get(), buf, wait_options{2ms}),
                         std::system_error);

@@ -12,15 +12,25 @@ using ringverbs::task;
 
 namespace {
 
-task<int> forty_two() { co_return 42; }
-task<std::string> greet(std::string who) { co_return "hello " + who; }
-task<void> nothing() { co_return; }
-task<int> add(int a) { co_return a + co_await forty_two(); }
+task<int> forty_two() {
+    co_return 42;
+}
+task<std::string> greet(std::string who) {
+    co_return "hello " + who;
+}
+task<void> nothing() {
+    co_return;
+}
+task<int> add(int a) {
+    co_return a + co_await forty_two();
+}
 task<int> throws() {
     throw std::runtime_error("boom");
     co_return 0;
 }
-task<std::unique_ptr<int>> move_only() { co_return std::make_unique<int>(7); }
+task<std::unique_ptr<int>> move_only() {
+    co_return std::make_unique<int>(7);
+}
 
 } // namespace
 
@@ -74,7 +84,8 @@ TEST_CASE("a million synchronously completing co_awaits run in constant stack") 
     io_context ctx;
     auto loop = []() -> task<long> {
         long sum = 0;
-        for (int i = 0; i < 1'000'000; ++i) sum += co_await forty_two();
+        for (int i = 0; i < 1'000'000; ++i)
+            sum += co_await forty_two();
         co_return sum;
     };
     CHECK(ctx.run(loop()) == 42'000'000L);

@@ -43,7 +43,8 @@ TEST_CASE("when_all over a vector keeps the order") {
         co_return i;
     };
     std::vector<task<int>> tasks;
-    for (int i = 0; i < 10; ++i) tasks.push_back(after(i));
+    for (int i = 0; i < 10; ++i)
+        tasks.push_back(after(i));
     auto out = ctx.run(ringverbs::when_all(std::move(tasks)));
     CHECK(out == std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
 }

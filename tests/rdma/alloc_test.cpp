@@ -46,8 +46,8 @@ TEST_CASE("unsignaled sends allocate nothing, forced-signaled completions includ
     std::size_t after = 0;
     constexpr int warmup = 200;
     constexpr int measured = 2000;
-    const send_options unsignaled{.imm = {}, .inline_data = true, .solicited = false,
-                                  .fence = false, .signaled = false};
+    const send_options unsignaled{
+        .imm = {}, .inline_data = true, .solicited = false, .fence = false, .signaled = false};
     auto loop = [&]() -> task<void> {
         for (int i = 0; i < warmup + measured; ++i) {
             if (i == warmup) before = bench::allocations.load();
@@ -61,11 +61,10 @@ TEST_CASE("unsignaled sends allocate nothing, forced-signaled completions includ
         after = bench::allocations.load();
     };
     io.run(loop());
-    MESSAGE("allocations during " << measured << " unsignaled send/recv round trips: "
-                                  << after - before);
+    MESSAGE("allocations during " << measured
+                                  << " unsignaled send/recv round trips: " << after - before);
     CHECK(after - before == 0);
     // One in signal_interval() was signaled and consumed by the qp.
-    CHECK(lp.a.counters().forced_signaled ==
-          (warmup + measured) / lp.a.signal_interval());
+    CHECK(lp.a.counters().forced_signaled == (warmup + measured) / lp.a.signal_interval());
     CHECK(lp.a.counters().throttled == 0);
 }

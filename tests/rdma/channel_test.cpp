@@ -24,8 +24,8 @@ task<bool> exchange(qp& a, qp& b, region& out, region& in, std::size_t off, std:
     auto r = [&]() -> task<ibv_wc> { co_return co_await b.recv(in.local(off, size)); };
     auto s = [&]() -> task<ibv_wc> { co_return co_await a.send(out.local(off, size)); };
     auto [rwc, swc] = co_await when_all(r(), s());
-    co_return rwc.status == IBV_WC_SUCCESS && swc.status == IBV_WC_SUCCESS && rwc.byte_len == size &&
-        std::memcmp(in.bytes.data() + off, out.bytes.data() + off, size) == 0;
+    co_return rwc.status == IBV_WC_SUCCESS&& swc.status == IBV_WC_SUCCESS&& rwc.byte_len ==
+        size&& std::memcmp(in.bytes.data() + off, out.bytes.data() + off, size) == 0;
 }
 
 } // namespace
@@ -39,34 +39,39 @@ TEST_CASE("64 CQs on one channel with interleaved traffic: every completion acco
     std::vector<std::unique_ptr<cq>> cqs;
     std::vector<std::unique_ptr<qp>> qps;
     // Each CQ holds what its QP's queues can flush at once (64 + 64 by default).
-    for (int i = 0; i < 2 * pairs; ++i) cqs.push_back(std::make_unique<cq>(ch, cq_options{.entries = 128}));
+    for (int i = 0; i < 2 * pairs; ++i)
+        cqs.push_back(std::make_unique<cq>(ch, cq_options{.entries = 128}));
     for (int i = 0; i < 2 * pairs; ++i)
         qps.push_back(std::make_unique<qp>(dev.pd, *cqs[static_cast<std::size_t>(i)],
                                            *cqs[static_cast<std::size_t>(i)]));
     for (int p = 0; p < pairs; ++p)
         verbs::connect_loopback(qps[static_cast<std::size_t>(2 * p)]->native_qp(),
-                                qps[static_cast<std::size_t>(2 * p + 1)]->native_qp(), rdma_device().port,
-                                rdma_device().gid_index);
+                                qps[static_cast<std::size_t>(2 * p + 1)]->native_qp(),
+                                rdma_device().port, rdma_device().gid_index);
     region out(dev.pd, pairs * 256), in(dev.pd, pairs * 256);
     int ok = 0;
     auto pair_traffic = [&](int p) -> task<void> {
         for (int r = 0; r < rounds; ++r) {
-            bool good = co_await exchange(*qps[static_cast<std::size_t>(2 * p)], *qps[static_cast<std::size_t>(2 * p + 1)],
-                                          out, in, static_cast<std::size_t>(p) * 256,
+            bool good = co_await exchange(*qps[static_cast<std::size_t>(2 * p)],
+                                          *qps[static_cast<std::size_t>(2 * p + 1)], out, in,
+                                          static_cast<std::size_t>(p) * 256,
                                           static_cast<std::size_t>(1 + (p * 7 + r) % 256),
                                           static_cast<std::uint32_t>(p * 1000 + r));
             if (good) ++ok;
         }
     };
     std::vector<task<void>> all;
-    for (int p = 0; p < pairs; ++p) all.push_back(pair_traffic(p));
+    for (int p = 0; p < pairs; ++p)
+        all.push_back(pair_traffic(p));
     io.run(when_all(std::move(all)));
     CHECK(ok == pairs * rounds);
     std::uint64_t completions = 0;
-    for (auto& c : cqs) completions += c->counters().completions;
+    for (auto& c : cqs)
+        completions += c->counters().completions;
     CHECK(completions == 2u * pairs * rounds); // one send + one recv per exchange, none lost
     CHECK(ch.counters().completions == completions);
-    MESSAGE("64 CQs: " << ch.counters().wakeups << " wakeups, " << ch.counters().events << " events");
+    MESSAGE("64 CQs: " << ch.counters().wakeups << " wakeups, " << ch.counters().events
+                       << " events");
 }
 
 TEST_CASE("when two channels are ready in the same pass, the higher priority resumes first") {
@@ -77,8 +82,10 @@ TEST_CASE("when two channels are ready in the same pass, the higher priority res
     cq cq_low(low), cq_high(high), cq_send(low);
     qp src_low(dev.pd, cq_send, cq_send), dst_low(dev.pd, cq_low, cq_low);
     qp src_high(dev.pd, cq_send, cq_send), dst_high(dev.pd, cq_high, cq_high);
-    verbs::connect_loopback(src_low.native_qp(), dst_low.native_qp(), rdma_device().port, rdma_device().gid_index);
-    verbs::connect_loopback(src_high.native_qp(), dst_high.native_qp(), rdma_device().port, rdma_device().gid_index);
+    verbs::connect_loopback(src_low.native_qp(), dst_low.native_qp(), rdma_device().port,
+                            rdma_device().gid_index);
+    verbs::connect_loopback(src_high.native_qp(), dst_high.native_qp(), rdma_device().port,
+                            rdma_device().gid_index);
     region buf(dev.pd, 4096);
     int both_in_one_pass = 0;
     for (int round = 0; round < 20; ++round) {
@@ -99,10 +106,11 @@ TEST_CASE("when two channels are ready in the same pass, the higher priority res
         auto s2 = [&]() -> task<void> { co_await src_high.send(buf.local(1032, 8)); };
         io.spawn(s1());
         io.spawn(s2());
-        io.run_once(false); // posts both sends
+        io.run_once(false);                // posts both sends
         std::this_thread::sleep_for(20ms); // both receive completions land, both channels fire
         // One pass: both channels' fds are readable now.
-        while (order.size() < 2) io.run_once(true);
+        while (order.size() < 2)
+            io.run_once(true);
         if (low.counters().wakeups == high.counters().wakeups) ++both_in_one_pass;
         CHECK(order[0] == 'H');
         io.run();
@@ -121,8 +129,10 @@ TEST_CASE("arm/poll race stress: bursts with random gaps, every request complete
     auto run_burst = [&](int n, std::uint32_t seed) -> task<void> {
         std::vector<task<bool>> ex;
         for (int i = 0; i < n; ++i)
-            ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48, seed + static_cast<std::uint32_t>(i)));
-        for (bool ok : co_await when_all(std::move(ex))) completed += ok ? 1 : 0;
+            ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48,
+                                  seed + static_cast<std::uint32_t>(i)));
+        for (bool ok : co_await when_all(std::move(ex)))
+            completed += ok ? 1 : 0;
     };
     int expected = 0;
     for (int b = 0; b < 300; ++b) {
@@ -136,9 +146,10 @@ TEST_CASE("arm/poll race stress: bursts with random gaps, every request complete
     CHECK(completed == expected);
     CHECK(lp.a.pending() == 0);
     CHECK(lp.b.pending() == 0);
-    CHECK(lp.cq_a.counters().completions + lp.cq_b.counters().completions == 2u * static_cast<unsigned>(expected));
-    MESSAGE(bursts << " bursts, " << expected << " exchanges, " << lp.ch.counters().events << " events, "
-                   << lp.ch.counters().empty_polls << " empty polls");
+    CHECK(lp.cq_a.counters().completions + lp.cq_b.counters().completions ==
+          2u * static_cast<unsigned>(expected));
+    MESSAGE(bursts << " bursts, " << expected << " exchanges, " << lp.ch.counters().events
+                   << " events, " << lp.ch.counters().empty_polls << " empty polls");
 }
 
 TEST_CASE("busy and hybrid channels deliver; idle events and hybrid channels stop polling") {
@@ -150,7 +161,10 @@ TEST_CASE("busy and hybrid channels deliver; idle events and hybrid channels sto
         region out(dev.pd, 256), in(dev.pd, 256);
         auto traffic = [&]() -> task<int> {
             int ok = 0;
-            for (int i = 0; i < 200; ++i) ok += co_await exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i)) ? 1 : 0;
+            for (int i = 0; i < 200; ++i)
+                ok += co_await exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))
+                          ? 1
+                          : 0;
             co_return ok;
         };
         CHECK(io.run(traffic()) == 200);
@@ -175,9 +189,9 @@ TEST_CASE("adaptive hybrid: bursts with random gaps all complete, the window sta
           "idle stops polling") {
     device dev;
     io_context io;
-    loopback lp(dev, io,
-                channel_options{.mode = polling_mode::hybrid, .hybrid_spin = 10us,
-                                .hybrid_spin_max = 2ms});
+    loopback lp(
+        dev, io,
+        channel_options{.mode = polling_mode::hybrid, .hybrid_spin = 10us, .hybrid_spin_max = 2ms});
     region out(dev.pd, 16 * 64), in(dev.pd, 16 * 64);
     std::mt19937 rng(777);
     int completed = 0;
@@ -187,7 +201,8 @@ TEST_CASE("adaptive hybrid: bursts with random gaps all complete, the window sta
         for (int i = 0; i < n; ++i)
             ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48,
                                   seed + static_cast<std::uint32_t>(i)));
-        for (bool ok : co_await when_all(std::move(ex))) completed += ok ? 1 : 0;
+        for (bool ok : co_await when_all(std::move(ex)))
+            completed += ok ? 1 : 0;
     };
     for (int b = 0; b < 200; ++b) {
         int n = 1 + static_cast<int>(rng() % 16);
@@ -225,7 +240,10 @@ TEST_CASE("two threads, each with its own io_context, channel and CQs") {
         auto traffic = [&]() -> task<int> {
             int good = 0;
             for (int i = 0; i < per_thread; ++i)
-                good += co_await exchange(lp.a, lp.b, out, in, 0, 100, static_cast<std::uint32_t>(id * 100000 + i)) ? 1 : 0;
+                good += co_await exchange(lp.a, lp.b, out, in, 0, 100,
+                                          static_cast<std::uint32_t>(id * 100000 + i))
+                            ? 1
+                            : 0;
             co_return good;
         };
         ok[id] = io.run(traffic());
@@ -249,7 +267,8 @@ TEST_CASE("teardown in any order: no hang, pending awaiters resume with an error
         auto c = std::make_unique<cq>(*ch);
         auto a = std::make_unique<qp>(dev.pd, *c, *c);
         auto b = std::make_unique<qp>(dev.pd, *c, *c);
-        verbs::connect_loopback(a->native_qp(), b->native_qp(), rdma_device().port, rdma_device().gid_index);
+        verbs::connect_loopback(a->native_qp(), b->native_qp(), rdma_device().port,
+                                rdma_device().gid_index);
         region buf(dev.pd, 256);
         // One exchange so that the CQ has an unacked event (ack_batch is large).
         auto first = [&]() -> task<bool> {

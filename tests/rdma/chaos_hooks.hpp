@@ -32,7 +32,7 @@ struct chaos_counts {
 };
 
 class chaos_hooks {
-public:
+  public:
     explicit chaos_hooks(std::uint64_t seed) {
         rng() = std::mt19937_64(seed);
         counts() = {};
@@ -54,7 +54,8 @@ public:
     // Completions a fault still holds back (0 once the runtime polled them all).
     static std::size_t held() {
         std::size_t n = 0;
-        for (auto& [cq, s] : stash()) n += s.size();
+        for (auto& [cq, s] : stash())
+            n += s.size();
         return n;
     }
     chaos_hooks(const chaos_hooks&) = delete;
@@ -72,7 +73,7 @@ public:
     // Fault rates; 0 turns a kind off (e.g. while a test sets up).
     static void enable(bool on) { enabled() = on; }
 
-private:
+  private:
     static std::mt19937_64& rng() {
         static std::mt19937_64 r;
         return r;
@@ -194,8 +195,10 @@ private:
     static int modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept {
         const int rc = real().modify_qp(qp, attr, mask);
         if (rc == 0 && (mask & IBV_QP_STATE) != 0) {
-            if (attr->qp_state == IBV_QPS_RESET) reset_qps().insert(qp->qp_num);
-            else reset_qps().erase(qp->qp_num);
+            if (attr->qp_state == IBV_QPS_RESET)
+                reset_qps().insert(qp->qp_num);
+            else
+                reset_qps().erase(qp->qp_num);
         }
         return rc;
     }
@@ -215,7 +218,8 @@ private:
         if (wr->next != nullptr && chain_cut() > 0) {
             const int k = std::exchange(chain_cut(), 0);
             ibv_recv_wr* cut = wr;
-            for (int i = 1; i < k && cut->next; ++i) cut = cut->next;
+            for (int i = 1; i < k && cut->next; ++i)
+                cut = cut->next;
             if (cut->next != nullptr) {
                 ibv_recv_wr* rest = cut->next;
                 cut->next = nullptr;

@@ -51,10 +51,13 @@ TEST_CASE("next() gives completions to several waiters in FIFO order") {
         CHECK(wc.status == IBV_WC_SUCCESS);
         got.emplace_back(id, wc.wr_id);
     };
-    for (int i = 0; i < 4; ++i) io.spawn(waiter(i));
+    for (int i = 0; i < 4; ++i)
+        io.spawn(waiter(i));
     io.run_once(false); // all four are waiting now
-    for (std::uint64_t i = 0; i < 4; ++i) raw_recv(lp.b, buf.local(i * 64, 64), 100 + i);
-    for (std::uint64_t i = 0; i < 4; ++i) raw_send(lp.a, buf.local(1024 + i * 64, 64), 200 + i);
+    for (std::uint64_t i = 0; i < 4; ++i)
+        raw_recv(lp.b, buf.local(i * 64, 64), 100 + i);
+    for (std::uint64_t i = 0; i < 4; ++i)
+        raw_send(lp.a, buf.local(1024 + i * 64, 64), 200 + i);
     io.run();
     REQUIRE(got.size() == 4);
     for (int i = 0; i < 4; ++i) {
@@ -76,8 +79,10 @@ TEST_CASE("next() does not suspend when a completion is ready; next_batch gives 
     io_context io;
     loopback lp(dev, io);
     region buf(dev.pd, 4096);
-    for (std::uint64_t i = 0; i < 8; ++i) raw_recv(lp.b, buf.local(i * 64, 64), i);
-    for (std::uint64_t i = 0; i < 8; ++i) raw_send(lp.a, buf.local(2048 + i * 64, 64), 50 + i);
+    for (std::uint64_t i = 0; i < 8; ++i)
+        raw_recv(lp.b, buf.local(i * 64, 64), i);
+    for (std::uint64_t i = 0; i < 8; ++i)
+        raw_send(lp.a, buf.local(2048 + i * 64, 64), 50 + i);
     auto t = [&]() -> task<void> {
         std::set<std::uint64_t> ids;
         ibv_wc first = co_await lp.cq_b.next();
@@ -86,7 +91,8 @@ TEST_CASE("next() does not suspend when a completion is ready; next_batch gives 
         while (ids.size() < 8) {
             std::size_t n = co_await lp.cq_b.next_batch(more);
             CHECK(n >= 1);
-            for (std::size_t i = 0; i < n; ++i) ids.insert(more[i].wr_id);
+            for (std::size_t i = 0; i < n; ++i)
+                ids.insert(more[i].wr_id);
         }
         CHECK(ids == std::set<std::uint64_t>{0, 1, 2, 3, 4, 5, 6, 7});
     };
@@ -126,10 +132,12 @@ TEST_CASE("next() times out, is cancelled by its stop_token, and ends when the c
     io.spawn(orphan());
     io.run_once(false);
     CHECK(io.waiters() == 3);
-    while (seen.empty()) io.run_once(true);
+    while (seen.empty())
+        io.run_once(true);
     CHECK(seen[0] == std::errc::timed_out);
     src.request_stop();
-    while (seen.size() < 2) io.run_once(true);
+    while (seen.size() < 2)
+        io.run_once(true);
     CHECK(seen[1] == std::errc::operation_canceled);
     c.reset();
     io.run();
@@ -146,9 +154,11 @@ TEST_CASE("a solicited_only CQ wakes only for solicited receives (and polls them
     cq recv_cq(ch, cq_options{.solicited_only = true});
     qp a(dev.pd, send_cq, send_cq);
     qp b(dev.pd, send_cq, recv_cq);
-    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port, rdma_device().gid_index);
+    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
+                            rdma_device().gid_index);
     region buf(dev.pd, 4096);
-    for (std::uint64_t i = 0; i < 3; ++i) raw_recv(b, buf.local(i * 64, 64), i);
+    for (std::uint64_t i = 0; i < 3; ++i)
+        raw_recv(b, buf.local(i * 64, 64), i);
     // Two unsolicited sends: their receives complete, but no event fires for recv_cq.
     raw_send(a, buf.local(1024, 8), 10);
     raw_send(a, buf.local(1088, 8), 11);
@@ -182,8 +192,10 @@ TEST_CASE("CQs spread over the completion vectors by default, or use the one nam
     const int vectors = dev.ctx.num_comp_vectors();
     REQUIRE(vectors >= 1);
     std::vector<std::unique_ptr<cq>> cqs;
-    for (int i = 0; i < 2 * vectors; ++i) cqs.push_back(std::make_unique<cq>(ch));
-    for (int i = 0; i < 2 * vectors; ++i) CHECK(cqs[static_cast<std::size_t>(i)]->comp_vector() == i % vectors);
+    for (int i = 0; i < 2 * vectors; ++i)
+        cqs.push_back(std::make_unique<cq>(ch));
+    for (int i = 0; i < 2 * vectors; ++i)
+        CHECK(cqs[static_cast<std::size_t>(i)]->comp_vector() == i % vectors);
     cq pinned(ch, cq_options{.comp_vector = vectors - 1});
     CHECK(pinned.comp_vector() == vectors - 1);
     try {
@@ -195,14 +207,18 @@ TEST_CASE("CQs spread over the completion vectors by default, or use the one nam
     }
 }
 
-TEST_CASE("a next_batch() fulfilled in the turn another coroutine destroys its cq reads nothing freed") {
+TEST_CASE(
+    "a next_batch() fulfilled in the turn another coroutine destroys its cq reads nothing freed") {
     device dev;
     io_context io;
     channel ch(io, dev.ctx);
     auto cq_a = std::make_unique<cq>(ch);
     cq cq_b(ch);
-    constexpr verbs::qp_caps caps{.max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1,
-                                  .max_recv_sge = 1, .max_inline_data = 0};
+    constexpr verbs::qp_caps caps{.max_send_wr = 16,
+                                  .max_recv_wr = 16,
+                                  .max_send_sge = 1,
+                                  .max_recv_sge = 1,
+                                  .max_inline_data = 0};
     auto a = std::make_unique<qp>(dev.pd, *cq_a, *cq_a, caps);
     qp b(dev.pd, cq_b, cq_b, caps);
     verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,

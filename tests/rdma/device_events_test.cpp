@@ -2,9 +2,9 @@
 // the watcher's own rules (one per context, timeouts, destruction).
 #include "rdma_fixture.hpp"
 
-#include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/device_events.hpp>
 
 #include <doctest/doctest.h>
 
@@ -18,7 +18,9 @@ using namespace rt;
 using namespace std::chrono_literals;
 
 namespace {
-std::errc errc_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+std::errc errc_of(const std::system_error& e) {
+    return static_cast<std::errc>(e.code().value());
+}
 } // namespace
 
 TEST_CASE("a CQ overrun: IBV_EVENT_CQ_ERR is read, acked and routed: the cq's next() fails naming "
@@ -30,14 +32,17 @@ TEST_CASE("a CQ overrun: IBV_EVENT_CQ_ERR is read, acked and routed: the cq's ne
     channel ch(io, d.ctx);
     cq small(ch, cq_options{.entries = 4});
     cq other(ch);
-    const verbs::qp_caps caps{.max_send_wr = 128, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1,
+    const verbs::qp_caps caps{.max_send_wr = 128,
+                              .max_recv_wr = 16,
+                              .max_send_sge = 1,
+                              .max_recv_sge = 1,
                               .max_inline_data = 0};
     // Overrunning the small CQ is the point: allowed explicitly.
     qp a(d.pd, small, small, caps,
          qp_options{.flush_timeout = std::chrono::milliseconds(300), .allow_cq_overcommit = true}),
         b(d.pd, other, other, caps);
-    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port, rdma_device().gid_index,
-                            all_remote);
+    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
+                            rdma_device().gid_index, all_remote);
     region src(d.pd, 64), dst(d.pd, 64), spare(d.pd, 64);
     // A per-request receive on the QP of the CQ about to overrun: its flush has no room in
     // that CQ, so only the bounded flush can end its await.
@@ -61,10 +66,12 @@ TEST_CASE("a CQ overrun: IBV_EVENT_CQ_ERR is read, acked and routed: the cq's ne
     pollfd p{d.ctx.native()->async_fd, POLLIN, 0};
     REQUIRE(::poll(&p, 1, 20000) == 1); // bounded: fails instead of hanging
 
-    auto take_event = [&]() -> task<async_event> { co_return co_await events.next(wait_options(10s)); };
+    auto take_event = [&]() -> task<async_event> {
+        co_return co_await events.next(wait_options(10s));
+    };
     const async_event e = io.run(take_event());
     MESSAGE("event: " << std::string(e.name()) << ", routed " << e.routed << "; events read "
-                       << events.counters().events);
+                      << events.counters().events);
     CHECK(e.type == IBV_EVENT_CQ_ERR);
     CHECK(e.cq == small.native());
     CHECK(e.routed);

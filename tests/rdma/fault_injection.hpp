@@ -3,8 +3,8 @@
 #pragma once
 
 #include <ringverbs/engine/detail/uring_hooks.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
 #include <infiniband/verbs.h>
 
@@ -24,19 +24,21 @@ namespace rt {
 // numbered `qp_num` (0: of every QP): a device that never delivers them, like Linux 6.1's rxe
 // sometimes. The completions are taken from the CQ and dropped.
 class hide_flushes {
-public:
+  public:
     explicit hide_flushes(std::uint32_t qp_num = 0) noexcept {
         target_ = qp_num;
         hidden_ = 0;
         ringverbs::detail::hooks().poll_cq = &poll;
     }
-    ~hide_flushes() { ringverbs::detail::hooks().poll_cq = ringverbs::detail::real_verbs().poll_cq; }
+    ~hide_flushes() {
+        ringverbs::detail::hooks().poll_cq = ringverbs::detail::real_verbs().poll_cq;
+    }
     hide_flushes(const hide_flushes&) = delete;
     hide_flushes& operator=(const hide_flushes&) = delete;
 
     static int hidden() noexcept { return hidden_; }
 
-private:
+  private:
     static bool hides(const ibv_wc& wc) noexcept {
         return wc.status == IBV_WC_WR_FLUSH_ERR && (target_ == 0 || wc.qp_num == target_);
     }
@@ -50,8 +52,10 @@ private:
             if (r < 0) return got > 0 ? got : r;
             int kept = got;
             for (int i = got; i < got + r; ++i) {
-                if (hides(wc[i])) ++hidden_;
-                else wc[kept++] = wc[i];
+                if (hides(wc[i]))
+                    ++hidden_;
+                else
+                    wc[kept++] = wc[i];
             }
             got = kept;
             if (r < want || got == n) return got;
@@ -64,7 +68,7 @@ private:
 // Makes the next ibv_post_recv of a chain post only its first `posted` requests for real and
 // then fail with ENOMEM at the next one (bad_wr pointing at it), as a full receive queue would.
 class fail_recv_chain_at {
-public:
+  public:
     explicit fail_recv_chain_at(int posted) noexcept {
         posted_ = posted;
         ringverbs::detail::hooks().post_recv = &post;
@@ -75,10 +79,11 @@ public:
     fail_recv_chain_at(const fail_recv_chain_at&) = delete;
     fail_recv_chain_at& operator=(const fail_recv_chain_at&) = delete;
 
-private:
+  private:
     static int post(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
         ibv_recv_wr* cut = wr;
-        for (int i = 1; i < posted_ && cut; ++i) cut = cut->next;
+        for (int i = 1; i < posted_ && cut; ++i)
+            cut = cut->next;
         if (posted_ <= 0 || cut == nullptr || cut->next == nullptr)
             return ringverbs::detail::real_verbs().post_recv(qp, wr, bad);
         ibv_recv_wr* rest = cut->next;
@@ -95,7 +100,7 @@ private:
 // Interrupts the next `count` calls of ibv_get_cq_event (EINTR, nothing read) and makes the
 // next `count` calls of ibv_req_notify_cq fail with EAGAIN (not armed), while it lives.
 class interrupt_events {
-public:
+  public:
     explicit interrupt_events(int count) noexcept {
         get_left_ = count;
         notify_left_ = count;
@@ -114,7 +119,7 @@ public:
     static int interrupted() noexcept { return interrupted_; }
     static int refused() noexcept { return refused_; }
 
-private:
+  private:
     static int get_event(ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
         if (get_left_ > 0) {
             --get_left_;
@@ -141,7 +146,7 @@ private:
 // Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
 // fail (EBUSY), while it lives: every wait that needs an SQE throws "io_uring_submit".
 class refuse_submission {
-public:
+  public:
     explicit refuse_submission(ringverbs::io_context& io) noexcept {
         io_uring* ring = ringverbs::detail::loop(io).native_ring();
         while (io_uring_sq_space_left(ring) > 0) {
@@ -156,14 +161,14 @@ public:
     refuse_submission(const refuse_submission&) = delete;
     refuse_submission& operator=(const refuse_submission&) = delete;
 
-private:
+  private:
     decltype(ringverbs::detail::uring_hooks::submit) saved_ = nullptr;
 };
 
 // Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a
 // failure with a message instead of a CI timeout.
 class watchdog {
-public:
+  public:
     watchdog(std::chrono::seconds limit, const char* what)
         : thread_([limit, what](std::stop_token st) {
               std::mutex m;
@@ -176,7 +181,7 @@ public:
               std::abort();
           }) {}
 
-private:
+  private:
     std::jthread thread_;
 };
 

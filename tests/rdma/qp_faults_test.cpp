@@ -3,9 +3,9 @@
 #include "fault_injection.hpp"
 #include "rdma_fixture.hpp"
 
-#include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
 
 #include <doctest/doctest.h>
 
@@ -20,10 +20,15 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::errc errc_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+std::errc errc_of(const std::system_error& e) {
+    return static_cast<std::errc>(e.code().value());
+}
 
-constexpr verbs::qp_caps small_caps{.max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1,
-                                    .max_recv_sge = 1, .max_inline_data = 64};
+constexpr verbs::qp_caps small_caps{.max_send_wr = 16,
+                                    .max_recv_wr = 16,
+                                    .max_send_sge = 1,
+                                    .max_recv_sge = 1,
+                                    .max_inline_data = 64};
 
 // Two connected QPs on one channel where either may be destroyed on its own, with a short
 // bounded flush.
@@ -68,7 +73,8 @@ task<void> await_recv(qp& q, local_buffer buf, wait_options w, outcome& out) {
 
 } // namespace
 
-TEST_CASE("a timed receive whose qp another coroutine destroys ends once; the freed qp is not read") {
+TEST_CASE(
+    "a timed receive whose qp another coroutine destroys ends once; the freed qp is not read") {
     watchdog wd(60s, "timed receive on a destroyed qp");
     device dev;
     io_context io;
@@ -219,7 +225,8 @@ TEST_CASE("destroying qps whose flushes never come does not block the loop") {
     auto watcher = [&]() -> task<void> {
         while (true) {
             int ended = 0;
-            for (auto& o : outs) ended += o.ended;
+            for (auto& o : outs)
+                ended += o.ended;
             if (ended == doomed * 2) break;
             co_await sleep_for(io, 5ms);
         }
@@ -227,7 +234,8 @@ TEST_CASE("destroying qps whose flushes never come does not block the loop") {
     };
     qps.clear(); // must return at once: nothing was flushed
     int ended_at_return = 0;
-    for (auto& o : outs) ended_at_return += o.ended;
+    for (auto& o : outs)
+        ended_at_return += o.ended;
     CHECK(ended_at_return == 0);
     io.spawn(pingpong());
     io.run(watcher());
@@ -290,8 +298,11 @@ TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommi
     channel ch(io, dev.ctx);
     cq small(ch, cq_options{.entries = 48});
     const int entries = small.capacity();
-    verbs::qp_caps caps{.max_send_wr = 32, .max_recv_wr = 32, .max_send_sge = 1,
-                        .max_recv_sge = 1, .max_inline_data = 0};
+    verbs::qp_caps caps{.max_send_wr = 32,
+                        .max_recv_wr = 32,
+                        .max_send_sge = 1,
+                        .max_recv_sge = 1,
+                        .max_inline_data = 0};
     std::string what;
     try {
         qp q(dev.pd, small, small, caps);
@@ -363,7 +374,8 @@ TEST_CASE("a request posted while its QP is still in the error state ends by the
     CHECK(p.b->pending() == 0);
 }
 
-TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; then nothing is left") {
+TEST_CASE(
+    "co_await close(): every owed request ends first, flushed or bounded; then nothing is left") {
     watchdog wd(60s, "close");
     for (const bool flushes_lost : {false, true}) {
         CAPTURE(flushes_lost);
@@ -375,15 +387,16 @@ TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; 
         if (flushes_lost) hide.emplace(p.b->qp_num());
         std::vector<outcome> outs(4);
         for (int i = 0; i < 4; ++i)
-            io.spawn(await_recv(*p.b, in.local(static_cast<std::size_t>(i) * 64, 64), wait_options(),
-                                outs[static_cast<std::size_t>(i)]));
+            io.spawn(await_recv(*p.b, in.local(static_cast<std::size_t>(i) * 64, 64),
+                                wait_options(), outs[static_cast<std::size_t>(i)]));
         io.run_once(false);
         REQUIRE(p.b->pending() == 4);
         int ended_when_closed = -1;
         auto closer = [&]() -> task<void> {
             co_await p.b->close(wait_options(10s));
             ended_when_closed = 0;
-            for (auto& o : outs) ended_when_closed += o.ended;
+            for (auto& o : outs)
+                ended_when_closed += o.ended;
         };
         io.run(closer());
         CHECK(p.b->pending() == 0);
@@ -391,8 +404,10 @@ TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; 
         io.run();
         for (auto& o : outs) {
             CHECK(o.ended == 1); // once each
-            if (flushes_lost) CHECK(o.code == std::errc::io_error);
-            else CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
+            if (flushes_lost)
+                CHECK(o.code == std::errc::io_error);
+            else
+                CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
         }
         // Nothing owed: closing again returns at once.
         auto again = [&]() -> task<void> { co_await p.b->close(); };
@@ -400,7 +415,8 @@ TEST_CASE("co_await close(): every owed request ends first, flushed or bounded; 
     }
 }
 
-TEST_CASE("a timed await that gets no SQE for its timer throws before posting: nothing owed, QP untouched") {
+TEST_CASE("a timed await that gets no SQE for its timer throws before posting: nothing owed, QP "
+          "untouched") {
     watchdog wd(60s, "no SQE for the timer");
     device dev;
     io_context io;

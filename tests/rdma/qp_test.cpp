@@ -1,8 +1,8 @@
 #include "rdma_fixture.hpp"
 
-#include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
 
 #include <doctest/doctest.h>
 
@@ -14,7 +14,9 @@ using namespace rt;
 using namespace std::chrono_literals;
 
 namespace {
-std::errc errc_of(const std::system_error& e) { return static_cast<std::errc>(e.code().value()); }
+std::errc errc_of(const std::system_error& e) {
+    return static_cast<std::errc>(e.code().value());
+}
 } // namespace
 
 TEST_CASE("send and recv: each await resumes with its own completion, payload intact") {
@@ -44,8 +46,9 @@ TEST_CASE("send with immediate data, inline and solicited") {
     fill(msg, 9);
     auto receiver = [&]() -> task<ibv_wc> { co_return co_await lp.b.recv(in.all()); };
     auto sender = [&]() -> task<ibv_wc> {
-        co_return co_await lp.a.send(local_buffer::inline_data(msg),
-                                     send_options{.imm = 0xC0FFEEu, .inline_data = true, .solicited = true});
+        co_return co_await lp.a.send(
+            local_buffer::inline_data(msg),
+            send_options{.imm = 0xC0FFEEu, .inline_data = true, .solicited = true});
     };
     auto [rwc, swc] = io.run(when_all(receiver(), sender()));
     CHECK(rwc.opcode == IBV_WC_RECV);
@@ -75,7 +78,8 @@ TEST_CASE("RDMA write, write with immediate, read, compare-and-swap, fetch-and-a
         // write with immediate: consumes a receive on the peer, which sees the imm
         auto receiver = [&]() -> task<ibv_wc> { co_return co_await lp.b.recv(local_buffer{}); };
         auto writer = [&]() -> task<ibv_wc> {
-            co_return co_await lp.a.write(local.local(0, 128), remote.remote(0), send_options{.imm = 77u});
+            co_return co_await lp.a.write(local.local(0, 128), remote.remote(0),
+                                          send_options{.imm = 77u});
         };
         auto [rw, ww] = co_await when_all(receiver(), writer());
         CHECK(rw.opcode == IBV_WC_RECV_RDMA_WITH_IMM);
@@ -153,7 +157,8 @@ TEST_CASE("100,000 per-request send/recv awaits, checked byte for byte") {
         }
     };
     std::vector<task<void>> all;
-    for (int i = 0; i < streams; ++i) all.push_back(stream(i));
+    for (int i = 0; i < streams; ++i)
+        all.push_back(stream(i));
     io.run(when_all(std::move(all)));
     CHECK(bad == 0);
     CHECK(verified == total);
@@ -190,7 +195,8 @@ TEST_CASE("a failed completion gives its status; the QP's pending awaits resume 
         }
         co_return "";
     };
-    for (int i = 0; i < 5; ++i) io.spawn(waiting_recv());
+    for (int i = 0; i < 5; ++i)
+        io.spawn(waiting_recv());
     std::string what = io.run(bad_write());
     io.run();
     MESSAGE(what);
@@ -239,7 +245,8 @@ TEST_CASE("a posted receive with a timeout resumes with timed_out once flushed")
     };
     CHECK(io.run(t()) == std::errc::timed_out);
     // The QP's flush timer was cancelled when the flush came; its CQE may still be on its way.
-    for (int i = 0; i < 1000 && io.operations_in_flight() > 1; ++i) io.run_once(false);
+    for (int i = 0; i < 1000 && io.operations_in_flight() > 1; ++i)
+        io.run_once(false);
     CHECK(io.operations_in_flight() == 1); // only the channel's poll is left
     CHECK(io.waiters() == 0);
 }
@@ -260,7 +267,8 @@ TEST_CASE("destroying a qp with pending receives resumes every awaiter with the 
             if (e.status() == IBV_WC_WR_FLUSH_ERR) ++flushed;
         }
     };
-    for (int i = 0; i < 8; ++i) io.spawn(waiting(i));
+    for (int i = 0; i < 8; ++i)
+        io.spawn(waiting(i));
     io.run_once(false);
     CHECK(q->pending() == 8);
     q.reset();
@@ -272,8 +280,8 @@ TEST_CASE("destroying a qp with pending receives resumes every awaiter with the 
 
 namespace {
 
-constexpr send_options unsignaled_inline{.imm = {}, .inline_data = true, .solicited = false,
-                                         .fence = false, .signaled = false};
+constexpr send_options unsignaled_inline{
+    .imm = {}, .inline_data = true, .solicited = false, .fence = false, .signaled = false};
 
 // A message's bytes: its sequence number, then a pattern made from it.
 void stamp(std::span<std::byte> s, std::uint32_t seq) {
@@ -297,8 +305,10 @@ struct detachable_pair {
     detachable_pair(device& d, io_context& io)
         : ch(io, d.ctx), cq_a(ch), cq_b(ch),
           a(std::make_unique<qp>(d.pd, cq_a, cq_a,
-                                 verbs::qp_caps{.max_send_wr = 256, .max_recv_wr = 16,
-                                                .max_send_sge = 1, .max_recv_sge = 1,
+                                 verbs::qp_caps{.max_send_wr = 256,
+                                                .max_recv_wr = 16,
+                                                .max_send_sge = 1,
+                                                .max_recv_sge = 1,
                                                 .max_inline_data = 64})),
           b(d.pd, cq_b, cq_b) {
         verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,
@@ -315,7 +325,7 @@ TEST_CASE("unsignaled sends interleaved with signaled ones: every message arrive
     constexpr std::uint32_t total = 3000;
     constexpr std::uint32_t every = 100; // one signaled, awaited send in this many
     constexpr std::size_t size = 48;
-    constexpr unsigned slots = 128;      // receives kept posted at b (> every: no RNR)
+    constexpr unsigned slots = 128; // receives kept posted at b (> every: no RNR)
     region rbuf(dev.pd, slots * size), sbuf(dev.pd, size);
     REQUIRE(lp.a.signal_interval() == 64);
     ibv_sge rsge[slots];
@@ -470,7 +480,8 @@ TEST_CASE("a QP error with unsignaled requests outstanding: no await hangs, flus
             if (e.status() == IBV_WC_WR_FLUSH_ERR) ++send_flushed;
         }
     };
-    for (int i = 0; i < 4; ++i) io.spawn(waiting_recv(i));
+    for (int i = 0; i < 4; ++i)
+        io.spawn(waiting_recv(i));
     io.spawn(sender());
     io.run_once(false);
     CHECK(p.a->pending() == 4 + 3);

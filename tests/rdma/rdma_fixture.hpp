@@ -4,9 +4,9 @@
 
 #include "rdma_test_device.hpp"
 
+#include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/rdma/cq.hpp>
-#include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/rdma/qp.hpp>
 #include <ringverbs/verbs.hpp>
 
@@ -56,8 +56,11 @@ struct loopback {
     qp a;
     qp b;
     loopback(device& d, io_context& ctx, channel_options opts = {},
-             verbs::qp_caps caps = {.max_send_wr = 256, .max_recv_wr = 256, .max_send_sge = 1,
-                                    .max_recv_sge = 1, .max_inline_data = 64})
+             verbs::qp_caps caps = {.max_send_wr = 256,
+                                    .max_recv_wr = 256,
+                                    .max_send_sge = 1,
+                                    .max_recv_sge = 1,
+                                    .max_inline_data = 64})
         : dev(d), io(ctx), ch(ctx, d.ctx, opts), cq_a(ch), cq_b(ch), a(d.pd, cq_a, cq_a, caps),
           b(d.pd, cq_b, cq_b, caps) {
         verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,

@@ -11,17 +11,17 @@
 #include "rdma_fixture.hpp"
 
 #include <ringverbs/engine/diagnostics.hpp>
-#include <ringverbs/rdma/completion_error.hpp>
-#include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/device_events.hpp>
 
 #include <doctest/doctest.h>
 
 #include <unistd.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -45,11 +45,16 @@ namespace {
 constexpr int pairs = 4;            // 8 QPs
 constexpr int streams_per_pair = 8; // concurrent exchanges on each pair
 constexpr std::size_t msg = 64;
-constexpr verbs::qp_caps caps{.max_send_wr = 64, .max_recv_wr = 64, .max_send_sge = 1,
-                              .max_recv_sge = 1, .max_inline_data = 0};
+constexpr verbs::qp_caps caps{.max_send_wr = 64,
+                              .max_recv_wr = 64,
+                              .max_send_sge = 1,
+                              .max_recv_sge = 1,
+                              .max_inline_data = 0};
 constexpr qp_options fast_bound{.flush_timeout = 50ms};
 
-task<void> nap(io_context& io, std::chrono::microseconds d) { co_await sleep_for(io, d); }
+task<void> nap(io_context& io, std::chrono::microseconds d) {
+    co_await sleep_for(io, d);
+}
 
 std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
     const char* v = std::getenv(name);
@@ -63,7 +68,8 @@ int kernel_qps_of_this_process() {
     if (f == nullptr) return -1;
     std::string out;
     char buf[4096];
-    while (std::size_t n = std::fread(buf, 1, sizeof buf, f)) out.append(buf, n);
+    while (std::size_t n = std::fread(buf, 1, sizeof buf, f))
+        out.append(buf, n);
     if (::pclose(f) != 0) return -1;
     const std::string key = "\"pid\":" + std::to_string(::getpid());
     int count = 0;
@@ -106,23 +112,23 @@ struct pair_state {
     std::unique_ptr<qp> a, b;
     std::unique_ptr<region> out, in, spare;
     std::stop_source stop;
-    bool over = false;      // the epoch ends: streams start no new exchange
-    int running = 0;        // streams of this epoch still running
+    bool over = false; // the epoch ends: streams start no new exchange
+    int running = 0;   // streams of this epoch still running
     std::uint32_t seq = 0;
-    std::uint64_t exchanges = 0; // started on this pair
+    std::uint64_t exchanges = 0;   // started on this pair
     std::optional<action> trigger; // the fault the next stream to post sets off
-    int probes = 0;   // timeout probes still running
-    const char* where = ""; // what run_pair waits for (for the hang report)
+    int probes = 0;                // timeout probes still running
+    const char* where = "";        // what run_pair waits for (for the hang report)
     int standing = 0; // standing receives on a (nobody sends to a: they end only by a fault)
     std::uint32_t next_spare = 0;
     std::vector<std::uint32_t> forget_later; // hidden QPs torn down: forgotten once all ended
-    std::string log[8]; // the last actions, for the hang report
+    std::string log[8];                      // the last actions, for the hang report
     int logged = 0;
     void note(std::string what) { log[logged++ % 8] = std::move(what); }
 };
 
 class soak {
-public:
+  public:
     soak(device& d, io_context& io, std::uint64_t seed, std::uint64_t target)
         : dev_(d), io_(io), rng_(seed), target_(target) {}
 
@@ -142,7 +148,8 @@ public:
             p.running = streams_per_pair;
             p.trigger.reset();
             const std::uint64_t until = p.exchanges + static_cast<std::uint64_t>(epoch_len);
-            for (int s = 0; s < streams_per_pair; ++s) io_.spawn(stream(p, s));
+            for (int s = 0; s < streams_per_pair; ++s)
+                io_.spawn(stream(p, s));
             // Receives that wait for a fault: the requests in flight when it strikes (rxe
             // completes a loopback exchange inside ibv_post_send, so the streams' own are
             // rarely still outstanding).
@@ -160,7 +167,8 @@ public:
                 // A calm end: the streams finish their exchanges, the QPs stay connected.
                 p.over = true;
                 p.where = "calm end: streams finishing";
-                while (p.running > 0) co_await sleep_for(io_, 1ms);
+                while (p.running > 0)
+                    co_await sleep_for(io_, 1ms);
                 continue;
             }
             // The fault is set off by the next stream that posts (so that requests are in
@@ -168,18 +176,22 @@ public:
             if (p.running > 0 && !failed) {
                 p.trigger = what;
                 p.where = "waiting for a stream to strike";
-                while (p.trigger && p.running > 0) co_await sleep_for(io_, 1ms);
+                while (p.trigger && p.running > 0)
+                    co_await sleep_for(io_, 1ms);
             }
             if (p.trigger || failed) {
                 p.trigger.reset();
                 strike(p, what);
             }
             p.where = "streams and probes finishing";
-            while (p.running > 0 || p.probes > 0) co_await sleep_for(io_, 1ms);
+            while (p.running > 0 || p.probes > 0)
+                co_await sleep_for(io_, 1ms);
             if (!p.a) { // torn down: new QPs once the old ones owe nothing
                 p.where = "torn down: standing receives ending";
-                while (p.standing > 0) co_await sleep_for(io_, 1ms);
-                for (std::uint32_t q : p.forget_later) chaos_hooks::forget(q);
+                while (p.standing > 0)
+                    co_await sleep_for(io_, 1ms);
+                for (std::uint32_t q : p.forget_later)
+                    chaos_hooks::forget(q);
                 p.forget_later.clear();
                 make_qps(p);
                 continue;
@@ -189,7 +201,8 @@ public:
             to_error_unless_reset(*p.a);
             to_error_unless_reset(*p.b);
             p.where = "waiting for the flushes";
-            while (p.a->pending() + p.b->pending() > 0 || p.standing > 0) co_await sleep_for(io_, 1ms);
+            while (p.a->pending() + p.b->pending() > 0 || p.standing > 0)
+                co_await sleep_for(io_, 1ms);
             chaos_hooks::forget(p.a->qp_num());
             chaos_hooks::forget(p.b->qp_num());
             reset_and_connect(p);
@@ -202,7 +215,8 @@ public:
         // The standing receives of calm epochs end with the QP's last error.
         to_error_unless_reset(*p.a);
         p.where = "last standing receives";
-        while (p.standing > 0) co_await sleep_for(io_, 1ms);
+        while (p.standing > 0)
+            co_await sleep_for(io_, 1ms);
     }
 
     task<void> standing(pair_state& p) {
@@ -287,8 +301,10 @@ public:
             co_await p.b->post_recv(wr[0]);
             ++t.other_error; // it must not succeed
         } catch (const std::system_error& e) {
-            if (e.code().value() == ENOMEM) ++t.not_posted;
-            else ++t.other_error;
+            if (e.code().value() == ENOMEM)
+                ++t.not_posted;
+            else
+                ++t.other_error;
         }
         t.end(id);
         if (p.b->pending() != 0) ++t.other_error;
@@ -314,21 +330,31 @@ public:
                                 rdma_device().gid_index, all_remote);
     }
 
-private:
+  private:
     bool chance(double prob) { return std::uniform_real_distribution<double>(0, 1)(rng_) < prob; }
 
     void classify(const std::exception_ptr& e) {
         try {
             std::rethrow_exception(e);
         } catch (const completion_error& ce) {
-            if (ce.status() == IBV_WC_WR_FLUSH_ERR) ++t.flushed;
-            else ++t.other_error;
+            if (ce.status() == IBV_WC_WR_FLUSH_ERR)
+                ++t.flushed;
+            else
+                ++t.other_error;
         } catch (const std::system_error& se) {
             switch (se.code().value()) {
-            case ETIMEDOUT: ++t.timed_out; break;
-            case ECANCELED: ++t.cancelled; break;
-            case EIO: ++t.never_flushed; break;
-            default: ++t.other_error; break;
+            case ETIMEDOUT:
+                ++t.timed_out;
+                break;
+            case ECANCELED:
+                ++t.cancelled;
+                break;
+            case EIO:
+                ++t.never_flushed;
+                break;
+            default:
+                ++t.other_error;
+                break;
             }
         } catch (...) {
             ++t.other_error;
@@ -394,8 +420,8 @@ private:
                 std::vector<std::byte> want(msg);
                 std::memcpy(want.data(), &seq, sizeof seq);
                 fill(std::span(want).subspan(sizeof seq), seq);
-                if (rwc.byte_len != msg || std::memcmp(want.data(), p.in->bytes.data() + off, msg) != 0 ||
-                    !send_ok)
+                if (rwc.byte_len != msg ||
+                    std::memcmp(want.data(), p.in->bytes.data() + off, msg) != 0 || !send_ok)
                     ++t.corrupted;
             } catch (...) {
                 classify(std::current_exception());
@@ -452,9 +478,9 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         // Small rings: the submission ring fills up, timer bursts overflow the completion ring.
         io_context io(io_context_options{.sq_entries = 8, .cq_entries = 16});
         channel events(io, dev.ctx, channel_options{.mode = polling_mode::events});
-        channel hybrid(io, dev.ctx,
-                       channel_options{.priority = 1, .mode = polling_mode::hybrid,
-                                       .hybrid_spin = 20us});
+        channel hybrid(
+            io, dev.ctx,
+            channel_options{.priority = 1, .mode = polling_mode::hybrid, .hybrid_spin = 20us});
         cq c0(events), c1(events), c2(hybrid), c3(hybrid);
         cq* cqs[] = {&c0, &c1, &c2, &c3};
         soak s(dev, io, seed, target);
@@ -489,8 +515,9 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                     last = e;
                     last_change = std::chrono::steady_clock::now();
                 } else if (std::chrono::steady_clock::now() - last_change > 30s) {
-                    std::fprintf(stderr, "soak: HANG (seed %llu): %llu requests posted, %llu ended; "
-                                         "no progress for 30 s\n",
+                    std::fprintf(stderr,
+                                 "soak: HANG (seed %llu): %llu requests posted, %llu ended; "
+                                 "no progress for 30 s\n",
                                  static_cast<unsigned long long>(seed),
                                  static_cast<unsigned long long>(s.t.issued.load()),
                                  static_cast<unsigned long long>(e));
@@ -505,33 +532,40 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                         }
                     };
                     for (auto& p : ps)
-                        std::fprintf(stderr, "soak:   pair %d: qp a %s pending %zu state %d, qp b %s "
-                                             "pending %zu state %d, %d streams running, %d standing, "
-                                             "%d probes, epoch over %d\n",
+                        std::fprintf(stderr,
+                                     "soak:   pair %d: qp a %s pending %zu state %d, qp b %s "
+                                     "pending %zu state %d, %d streams running, %d standing, "
+                                     "%d probes, epoch over %d\n",
                                      p->index, p->a ? "live" : "gone", p->a ? p->a->pending() : 0,
                                      state_of(p->a), p->b ? "live" : "gone",
                                      p->b ? p->b->pending() : 0, state_of(p->b), p->running,
                                      p->standing, p->probes, int(p->over));
-                    for (auto& p : ps) std::fprintf(stderr, "soak:   pair %d: %s\n", p->index, p->where);
+                    for (auto& p : ps)
+                        std::fprintf(stderr, "soak:   pair %d: %s\n", p->index, p->where);
                     // What the CQs still hold (taken: the run is over anyway).
                     for (int i = 0; i < 4; ++i) {
                         ibv_wc wc[64];
                         const int n = ibv_poll_cq(cqs[i]->native(), 64, wc);
                         std::fprintf(stderr, "soak:   cq %d still holds %d completions", i, n);
                         for (int k = 0; k < n && k < 4; ++k)
-                            std::fprintf(stderr, " [qp %u %s]", wc[k].qp_num, ibv_wc_status_str(wc[k].status));
-                        std::fprintf(stderr, "; buffered %zu, events %llu arms %llu\n", cqs[i]->buffered(),
+                            std::fprintf(stderr, " [qp %u %s]", wc[k].qp_num,
+                                         ibv_wc_status_str(wc[k].status));
+                        std::fprintf(stderr, "; buffered %zu, events %llu arms %llu\n",
+                                     cqs[i]->buffered(),
                                      (unsigned long long)cqs[i]->counters().events,
                                      (unsigned long long)cqs[i]->counters().arms);
                     }
                     for (auto& p : ps)
                         for (int k = 0; k < 8; ++k)
                             if (!p->log[k].empty())
-                                std::fprintf(stderr, "soak:   pair %d log: %s\n", p->index, p->log[k].c_str());
-                    for (auto& line : async_log) std::fprintf(stderr, "soak:   async event: %s\n", line.c_str());
-                    std::fprintf(stderr, "soak:   completions held by faults: %zu; io waiters %zu, "
-                                         "in flight %zu; channels: events armed/fired %llu/%llu, "
-                                         "hybrid %llu/%llu, spin %d\n",
+                                std::fprintf(stderr, "soak:   pair %d log: %s\n", p->index,
+                                             p->log[k].c_str());
+                    for (auto& line : async_log)
+                        std::fprintf(stderr, "soak:   async event: %s\n", line.c_str());
+                    std::fprintf(stderr,
+                                 "soak:   completions held by faults: %zu; io waiters %zu, "
+                                 "in flight %zu; channels: events armed/fired %llu/%llu, "
+                                 "hybrid %llu/%llu, spin %d\n",
                                  chaos_hooks::held(), io.waiters(), io.operations_in_flight(),
                                  (unsigned long long)events.counters().arms,
                                  (unsigned long long)events.counters().events,
@@ -550,14 +584,16 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         auto bursts = [&]() -> task<void> {
             while (!finished) {
                 std::vector<task<void>> timers;
-                for (int i = 0; i < 48; ++i) timers.push_back(nap(io, 200us));
+                for (int i = 0; i < 48; ++i)
+                    timers.push_back(nap(io, 200us));
                 co_await when_all(std::move(timers));
                 co_await sleep_for(io, 5ms);
             }
         };
         auto all_pairs = [&]() -> task<void> {
             std::vector<task<void>> runs;
-            for (auto& p : ps) runs.push_back(s.run_pair(*p));
+            for (auto& p : ps)
+                runs.push_back(s.run_pair(*p));
             co_await when_all(std::move(runs));
             finished = true;
         };
@@ -599,7 +635,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
             CHECK(p->b->pending() == 0);
         }
         ps.clear();
-        for (int i = 0; i < 1000 && io.waiters() > 0; ++i) io.run_once(false);
+        for (int i = 0; i < 1000 && io.waiters() > 0; ++i)
+            io.run_once(false);
         CHECK(io.waiters() == 0);
     }
     set_diagnostics_sink(default_sink);
@@ -608,7 +645,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
     const std::uint64_t diagnostics = diagnostics_seen.load();
     std::printf("soak: %llu diagnostics from the library (sink), the first ones:\n",
                 static_cast<unsigned long long>(diagnostics));
-    for (std::uint64_t i = 0; i < std::min<std::uint64_t>(diagnostics, std::size(first_diagnostics)); ++i)
+    for (std::uint64_t i = 0;
+         i < std::min<std::uint64_t>(diagnostics, std::size(first_diagnostics)); ++i)
         std::printf("soak:   %s\n", first_diagnostics[i]);
     std::printf("soak: %llu requests: %llu ok, %llu flushed, %llu timed out, %llu cancelled, "
                 "%llu never flushed, %llu other errors, %llu posts refused; lost %llu, "
@@ -619,21 +657,30 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                 (unsigned long long)not_posted, (unsigned long long)lost,
                 (unsigned long long)duplicated, (unsigned long long)corrupted);
     const std::pair<const char*, std::uint64_t> kinds[] = {
-        {"flush_hidden", injected.flush_hidden},     {"flush_delayed", injected.flush_delayed},
-        {"arm_race", injected.arm_race},             {"spurious_event", injected.spurious_event},
-        {"notify_failed", injected.notify_failed},   {"get_event_eintr", injected.get_event_eintr},
-        {"post_failed", injected.post_failed},       {"chain_failed", injected.chain_failed},
-        {"sq_full", sq_full},                        {"cq_overflow", cq_overflows},
+        {"flush_hidden", injected.flush_hidden},
+        {"flush_delayed", injected.flush_delayed},
+        {"arm_race", injected.arm_race},
+        {"spurious_event", injected.spurious_event},
+        {"notify_failed", injected.notify_failed},
+        {"get_event_eintr", injected.get_event_eintr},
+        {"post_failed", injected.post_failed},
+        {"chain_failed", injected.chain_failed},
+        {"sq_full", sq_full},
+        {"cq_overflow", cq_overflows},
     };
     std::string json = "{\"requests\": " + std::to_string(issued) + ", \"injected\": {";
     for (std::size_t i = 0; i < std::size(kinds); ++i) {
-        json += (i ? ", \"" : "\"") + std::string(kinds[i].first) + "\": " + std::to_string(kinds[i].second);
-        std::printf("soak: injected %-16s %llu\n", kinds[i].first, (unsigned long long)kinds[i].second);
+        json += (i ? ", \"" : "\"") + std::string(kinds[i].first) +
+                "\": " + std::to_string(kinds[i].second);
+        std::printf("soak: injected %-16s %llu\n", kinds[i].first,
+                    (unsigned long long)kinds[i].second);
     }
-    json += "}, \"lost\": " + std::to_string(lost) + ", \"duplicated\": " + std::to_string(duplicated) +
-            ", \"corrupted\": " + std::to_string(corrupted) + ", \"hangs\": " + std::to_string(hangs) +
-            ", \"seed\": " + std::to_string(seed) + ", \"kernel_qps_before\": " +
-            std::to_string(qps_before) + ", \"kernel_qps_during\": " + std::to_string(qps_during) +
+    json += "}, \"lost\": " + std::to_string(lost) +
+            ", \"duplicated\": " + std::to_string(duplicated) +
+            ", \"corrupted\": " + std::to_string(corrupted) +
+            ", \"hangs\": " + std::to_string(hangs) + ", \"seed\": " + std::to_string(seed) +
+            ", \"kernel_qps_before\": " + std::to_string(qps_before) +
+            ", \"kernel_qps_during\": " + std::to_string(qps_during) +
             ", \"kernel_qps_after\": " + std::to_string(qps_after) +
             ", \"diagnostics\": " + std::to_string(diagnostics) + "}\n";
     if (const char* path = std::getenv("RINGVERBS_FAULTS_JSON"); path != nullptr && *path != 0) {

@@ -29,7 +29,8 @@ TEST_CASE(
     // Build one such error while descriptors are plentiful: UBSan's first check of a dynamic
     // type probes memory through a pipe, which fails (a false "invalid vptr") once the process
     // is out of fds; after one successful check the result is cached.
-    CHECK(std::string(make_system_error(EMFILE, "warm-up").what()).find("too many") != std::string::npos);
+    CHECK(std::string(make_system_error(EMFILE, "warm-up").what()).find("too many") !=
+          std::string::npos);
     rlimit saved{};
     REQUIRE(getrlimit(RLIMIT_NOFILE, &saved) == 0);
 

@@ -23,7 +23,7 @@ class cm_id;
 // only after every rdma_destroy_id), so the handles may be destroyed in any order. Everything
 // must be destroyed before the io_context, on its thread.
 class cm_channel {
-public:
+  public:
     // Throws std::system_error naming rdma_create_event_channel (ENODEV: no rdma_cm support;
     // EMFILE), fcntl, or io_uring_submit.
     explicit cm_channel(io_context& ctx);
@@ -38,7 +38,7 @@ public:
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
 
-private:
+  private:
     friend class cm_id;
     std::shared_ptr<detail::cm_channel_state> state_;
 };

@@ -35,7 +35,7 @@ namespace ringverbs {
 // The peer refused the connection (RDMA_CM_EVENT_REJECTED): a std::system_error with
 // errc::connection_refused naming rdma_connect, whose what() names the reject reason.
 class connection_rejected : public std::system_error {
-public:
+  public:
     connection_rejected(int reason, std::string reason_text, std::vector<std::byte> data);
     // The transport's reason code (IB CM on RoCE: 28 = the peer called rdma_reject, 8 = no
     // listener on that port).
@@ -46,7 +46,7 @@ public:
     // zeros (148 bytes on RoCE): compare the prefix you sent.
     std::span<const std::byte> private_data() const noexcept { return data_; }
 
-private:
+  private:
     int reason_;
     std::vector<std::byte> data_;
 };
@@ -72,9 +72,9 @@ struct cm_conn_options {
 // and either side ends with co_await disconnect(), the other learning it from
 // co_await disconnected(). When the peer disconnects (or its process dies), the id answers at
 // once: its QP goes to the error state, so every request still posted on it completes with
-// IBV_WC_WR_FLUSH_ERR and every await on the qp resumes. A step fails with a std::system_error naming the rdma_* call and
-// its errno; the asynchronous steps also take wait_options (timed_out, operation_canceled:
-// a step that timed out or was cancelled leaves the id mid-way, destroy it).
+// IBV_WC_WR_FLUSH_ERR and every await on the qp resumes. A step fails with a std::system_error
+// naming the rdma_* call and its errno; the asynchronous steps also take wait_options (timed_out,
+// operation_canceled: a step that timed out or was cancelled leaves the id mid-way, destroy it).
 //
 // One step at a time per id: resolve_addr, resolve_route, connect and accept_connection each
 // wait for their own event; accept() and disconnected() may wait alongside.
@@ -83,7 +83,7 @@ struct cm_conn_options {
 // the id keeps the rdma_cm_id (rdma_destroy_qp, then rdma_destroy_id). An incoming request
 // dropped unanswered is rejected. Destroy before the io_context, on its thread.
 class cm_id {
-public:
+  public:
     // Throws std::system_error naming rdma_create_id.
     explicit cm_id(cm_channel& ch);
     ~cm_id();
@@ -139,11 +139,11 @@ public:
     // std::system_error naming rdma_connect (ETIMEDOUT, EHOSTUNREACH, ECONNRESET if the
     // connection went before it was established).
     connect_awaitable connect(std::span<const std::byte> data = {}, wait_options options = {},
-                 cm_conn_options conn = {}) noexcept;
+                              cm_conn_options conn = {}) noexcept;
     // co_await c.accept_connection(data): rdma_accept of an accepted request, then
     // ESTABLISHED. Needs the id's qp. Throws std::system_error naming rdma_accept.
-    step_awaitable accept_connection(std::span<const std::byte> data = {}, wait_options options = {},
-                           cm_conn_options conn = {}) noexcept;
+    step_awaitable accept_connection(std::span<const std::byte> data = {},
+                                     wait_options options = {}, cm_conn_options conn = {}) noexcept;
     // Refuses an accepted request; the connector gets connection_rejected with `data`
     // (<= 148 bytes on RoCE). Throws std::system_error naming rdma_reject.
     void reject(std::span<const std::byte> data = {});
@@ -172,7 +172,7 @@ public:
                                 const verbs::completion_queue& recv_cq,
                                 const verbs::qp_caps& caps = {});
 
-private:
+  private:
     friend struct detail::cm_channel_state;
     explicit cm_id(std::shared_ptr<detail::cm_id_state> s) noexcept : state_(std::move(s)) {}
 
@@ -194,7 +194,7 @@ private:
 // What resolve_addr, resolve_route, connect and accept_connection share: begins the step
 // (the rdma_* call) at co_await and waits for its event.
 class cm_id::step_wait : detail::cm_step_waiter {
-public:
+  public:
     step_wait(const step_wait&) = delete;
     step_wait& operator=(const step_wait&) = delete;
     // The event cannot come before we suspend: events are read on this thread, by the loop.
@@ -204,10 +204,11 @@ public:
     }
     void await_suspend(std::coroutine_handle<> h) {
         state_->step_waiters.push_back(this);
-        start(*state_->channel->ctx, options_, h, &state_->step_waiters, &detail::waiter_queue::detach);
+        start(*state_->channel->ctx, options_, h, &state_->step_waiters,
+              &detail::waiter_queue::detach);
     }
 
-protected:
+  protected:
     step_wait(detail::cm_id_state* state, step k, const sockaddr* dst,
               std::span<const std::byte> data, cm_conn_options conn, wait_options options) noexcept
         : state_(state), step_(k), data_(data), conn_(conn), options_(std::move(options)) {
@@ -219,9 +220,11 @@ protected:
     }
     // Always suspended first, so decided here: the outcome is in this object (see
     // detail::cm_step_waiter), and *state_ is not read.
-    std::vector<std::byte> take_result() { return outcome(step_, decided() ? error() : EIO, result); }
+    std::vector<std::byte> take_result() {
+        return outcome(step_, decided() ? error() : EIO, result);
+    }
 
-private:
+  private:
     detail::cm_id_state* state_;
     step step_;
     sockaddr_storage addr_{};
@@ -234,10 +237,10 @@ private:
 // co_await ends when the step's event came (gives nothing; throws as each call says). Awaited
 // in place, not moved.
 class cm_id::step_awaitable : public cm_id::step_wait {
-public:
+  public:
     void await_resume() { take_result(); }
 
-private:
+  private:
     friend class cm_id;
     using step_wait::step_wait;
 };
@@ -245,10 +248,10 @@ private:
 // cm_id::connect_awaitable: returned by connect(); co_await gives the private data of the
 // peer's accept (throws as connect() says). Awaited in place, not moved.
 class cm_id::connect_awaitable : public cm_id::step_wait {
-public:
+  public:
     std::vector<std::byte> await_resume() { return take_result(); }
 
-private:
+  private:
     friend class cm_id;
     using step_wait::step_wait;
 };
@@ -256,7 +259,7 @@ private:
 // cm_id::accept_awaitable: returned by accept(); co_await gives the next connection request as
 // a new cm_id (throws as accept() says). Awaited in place, not moved.
 class cm_id::accept_awaitable : detail::cm_accept_waiter {
-public:
+  public:
     accept_awaitable(const accept_awaitable&) = delete;
     accept_awaitable& operator=(const accept_awaitable&) = delete;
     bool await_ready() noexcept {
@@ -281,7 +284,7 @@ public:
         return cm_id(std::move(taken));
     }
 
-private:
+  private:
     friend class cm_id;
     accept_awaitable(detail::cm_id_state* state, wait_options options) noexcept
         : state_(state), options_(std::move(options)) {}
@@ -294,7 +297,7 @@ private:
 // the connection is gone (gives nothing; throws as each call says). Awaited in place, not
 // moved.
 class cm_id::disconnect_awaitable : detail::waiter {
-public:
+  public:
     disconnect_awaitable(const disconnect_awaitable&) = delete;
     disconnect_awaitable& operator=(const disconnect_awaitable&) = delete;
     bool await_ready() {
@@ -311,14 +314,15 @@ public:
         // Decided: fulfilled (0: the DISCONNECTED event) or failed; *state_ is not read, since
         // a coroutine resumed before this one may have destroyed the id. Not decided: it was
         // ready at once and *state_ is alive.
-        const int err = decided()                ? error()
-                        : state_->disconnected   ? 0
-                        : state_->closed         ? ECANCELED
-                                                 : state_->error;
-        if (err != 0) throw_system_error(err, initiate_ ? "rdma_disconnect" : "cm_id::disconnected");
+        const int err = decided()              ? error()
+                        : state_->disconnected ? 0
+                        : state_->closed       ? ECANCELED
+                                               : state_->error;
+        if (err != 0)
+            throw_system_error(err, initiate_ ? "rdma_disconnect" : "cm_id::disconnected");
     }
 
-private:
+  private:
     friend class cm_id;
     disconnect_awaitable(detail::cm_id_state* state, bool initiate, wait_options options) noexcept
         : state_(state), initiate_(initiate), options_(std::move(options)) {}
@@ -331,14 +335,16 @@ private:
 inline cm_id::accept_awaitable cm_id::accept(wait_options options) noexcept {
     return {state_.get(), std::move(options)};
 }
-inline cm_id::step_awaitable cm_id::resolve_addr(const sockaddr* dst, wait_options options) noexcept {
+inline cm_id::step_awaitable cm_id::resolve_addr(const sockaddr* dst,
+                                                 wait_options options) noexcept {
     return {state_.get(), step::resolve_addr, dst, {}, {}, std::move(options)};
 }
 inline cm_id::step_awaitable cm_id::resolve_route(wait_options options) noexcept {
     return {state_.get(), step::resolve_route, nullptr, {}, {}, std::move(options)};
 }
 inline cm_id::connect_awaitable cm_id::connect(std::span<const std::byte> data,
-                                               wait_options options, cm_conn_options conn) noexcept {
+                                               wait_options options,
+                                               cm_conn_options conn) noexcept {
     return {state_.get(), step::connect, nullptr, data, conn, std::move(options)};
 }
 inline cm_id::step_awaitable cm_id::accept_connection(std::span<const std::byte> data,

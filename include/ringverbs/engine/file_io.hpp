@@ -41,12 +41,12 @@ inline constexpr std::uint64_t current_position = static_cast<std::uint64_t>(-1)
 // (even when cancelled), so the buffer only has to outlive the co_await. Movable only before
 // it is awaited.
 class [[nodiscard]] read_awaitable : detail::io_awaiter<detail::read_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     read_awaitable(io_context& ctx, detail::read_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
     friend read_awaitable read(io_context&, int, std::span<std::byte>, std::uint64_t,
@@ -57,12 +57,12 @@ private:
 // std::system_error "write" (as read_awaitable). Same lifetime rules as read_awaitable: the
 // data only has to outlive the co_await.
 class [[nodiscard]] write_awaitable : detail::io_awaiter<detail::write_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     write_awaitable(io_context& ctx, detail::write_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
     friend write_awaitable write(io_context&, int, std::span<const std::byte>, std::uint64_t,

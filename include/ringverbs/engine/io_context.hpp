@@ -35,7 +35,7 @@ class io_context;
 // co_await expression twice (a use-after-free of the stop_token's state), while a class
 // with constructors is handled correctly.
 class wait_options {
-public:
+  public:
     static constexpr std::chrono::nanoseconds no_timeout = std::chrono::nanoseconds::max();
 
     wait_options() noexcept {}
@@ -45,7 +45,7 @@ public:
     wait_options(std::stop_token s) noexcept : stop(std::move(s)) {}
 
     std::chrono::nanoseconds timeout = no_timeout; // no_timeout: wait as long as it takes
-    std::stop_token stop;                           // default: cannot be stopped
+    std::stop_token stop;                          // default: cannot be stopped
 };
 
 // What the loop met under pressure (diagnostics; tests/runtime/soak_test.cpp counts them).
@@ -77,7 +77,7 @@ struct root_promise;
 // a constructor that fills the submission ring does). Everything but stop(), post(),
 // schedule() and work_guard is called on that thread, the destructor included.
 class io_context {
-public:
+  public:
     // Creates the ring and its cross-thread wakeup eventfd.
     // Throws std::system_error naming io_uring_queue_init_params. When io_uring is unavailable
     // (ENOSYS: kernel without io_uring; EPERM: kernel.io_uring_disabled or a seccomp filter)
@@ -95,8 +95,8 @@ public:
 
     // Runs until stop() is called or there is no work left: no operation in flight, no
     // coroutine ready or waiting (on a poll_stream, a CQ, a work request), no work_guard held.
-    // An idle poll_stream or completion channel is not work. Rethrows an exception that escaped a spawned task
-    // (unless an exception handler is set); run() may then be called again.
+    // An idle poll_stream or completion channel is not work. Rethrows an exception that escaped a
+    // spawned task (unless an exception handler is set); run() may then be called again.
     void run();
 
     // One turn of the loop: submits pending requests, reaps every available CQE, then
@@ -134,7 +134,7 @@ public:
     // Keeps run() from returning for lack of work while held (for example while another
     // thread will post()). Thread-safe.
     class work_guard {
-    public:
+      public:
         explicit work_guard(io_context& ctx) noexcept : ctx_(&ctx) {
             ctx_->external_work_.fetch_add(1, std::memory_order_relaxed);
         }
@@ -143,7 +143,7 @@ public:
         ~work_guard() { reset(); }
         void reset() noexcept;
 
-    private:
+      private:
         io_context* ctx_;
     };
 
@@ -159,7 +159,7 @@ public:
     // True while the destructor drains: new operations must complete at once as cancelled.
     bool shutting_down() const noexcept { return shutting_down_; }
 
-private:
+  private:
     // For awaitable implementers (ringverbs' own layers), through detail::loop(ctx): called on
     // the context's thread only (push_remote excepted).
     friend class detail::io_context_access;
@@ -218,7 +218,7 @@ private:
     bool reaping_ = false;
     bool ring_disabled_ = false;
     bool wakeup_rearm_due_ = false; // the wakeup read could not be re-armed in the CQE loop
-    unsigned spin_turns_ = 0; // created disabled; enabled by the first thread that submits
+    unsigned spin_turns_ = 0;       // created disabled; enabled by the first thread that submits
     std::size_t in_flight_ = 0;
     std::size_t background_ = 0;
     std::size_t waiting_ = 0;
@@ -236,7 +236,6 @@ private:
         bool armed = false;
     } wakeup_;
 
-
     detail::spawned_promise* spawned_ = nullptr; // intrusive list of live spawned tasks
     std::vector<std::exception_ptr> reported_;
     std::function<void(std::exception_ptr)> exception_handler_;
@@ -249,7 +248,7 @@ namespace detail {
 // detail::loop(ctx).get_sqe(), .ready(h), .queue_poller(p)... Each call is the io_context's own
 // member of that name, documented there.
 class io_context_access {
-public:
+  public:
     explicit io_context_access(io_context& ctx) noexcept : ctx_(&ctx) {}
     io_uring_sqe* get_sqe(unsigned reserve = 1) { return ctx_->get_sqe(reserve); }
     void start_operation() noexcept { ctx_->start_operation(); }
@@ -265,12 +264,13 @@ public:
     void dequeue_poller(poller* p) noexcept { ctx_->dequeue_poller(p); }
     io_uring* native_ring() noexcept { return ctx_->native_ring(); }
 
-private:
+  private:
     io_context* ctx_;
 };
 
-inline io_context_access loop(io_context& ctx) noexcept { return io_context_access(ctx); }
-
+inline io_context_access loop(io_context& ctx) noexcept {
+    return io_context_access(ctx);
+}
 
 // The coroutine that owns a spawned task. Its frame destroys itself at the end; while it is
 // suspended it sits in the context's list so that ~io_context can destroy it.
@@ -285,8 +285,10 @@ struct spawned_promise {
         c.spawned_ = this;
     }
     ~spawned_promise() {
-        if (prev) prev->next = next;
-        else ctx->spawned_ = next;
+        if (prev)
+            prev->next = next;
+        else
+            ctx->spawned_ = next;
         if (next) next->prev = prev;
     }
     struct handle_type {
@@ -324,8 +326,7 @@ struct root_promise {
     root_result<T>* result;
     std::exception_ptr* error;
     bool* done;
-    root_promise(io_context&, task<T>&, root_result<T>& r, std::exception_ptr& e,
-                 bool& d) noexcept
+    root_promise(io_context&, task<T>&, root_result<T>& r, std::exception_ptr& e, bool& d) noexcept
         : result(&r), error(&e), done(&d) {}
     std::coroutine_handle<root_promise> get_return_object() noexcept {
         return std::coroutine_handle<root_promise>::from_promise(*this);
@@ -351,8 +352,7 @@ struct root_coroutine {
 };
 
 template <typename T>
-root_coroutine<T> run_root(io_context&, task<T> t, root_result<T>& r, std::exception_ptr&,
-                           bool&) {
+root_coroutine<T> run_root(io_context&, task<T> t, root_result<T>& r, std::exception_ptr&, bool&) {
     if constexpr (std::is_void_v<T>) {
         co_await std::move(t);
     } else {
@@ -360,7 +360,9 @@ root_coroutine<T> run_root(io_context&, task<T> t, root_result<T>& r, std::excep
     }
 }
 
-inline spawned_coroutine run_spawned(io_context&, task<void> t) { co_await std::move(t); }
+inline spawned_coroutine run_spawned(io_context&, task<void> t) {
+    co_await std::move(t);
+}
 
 } // namespace detail
 
@@ -371,7 +373,8 @@ T io_context::run(task<T> t) {
     bool done = false;
     auto root = detail::run_root<T>(*this, std::move(t), result, error, done);
     ready(root.handle);
-    while (!done) run_once(true);
+    while (!done)
+        run_once(true);
     if (error) std::rethrow_exception(error);
     return result.take();
 }
@@ -382,7 +385,7 @@ T io_context::run(task<T> t) {
 // while suspended the context's cross-thread queue links to it, so it is neither copyable nor
 // movable. The context must outlive the co_await.
 class [[nodiscard]] io_context::schedule_awaitable : detail::remote_node {
-public:
+  public:
     schedule_awaitable(const schedule_awaitable&) = delete;
     schedule_awaitable& operator=(const schedule_awaitable&) = delete;
 
@@ -393,7 +396,7 @@ public:
     }
     void await_resume() const noexcept {}
 
-private:
+  private:
     friend class io_context;
 
     explicit schedule_awaitable(io_context* c) noexcept : ctx_(c) {

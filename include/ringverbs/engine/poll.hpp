@@ -30,12 +30,12 @@ struct poll_prep {
 // is the request's user_data and stays in the awaiting coroutine's frame until the kernel is
 // done with it, even when cancelled. Movable only before it is awaited.
 class [[nodiscard]] poll_awaitable : detail::io_awaiter<detail::poll_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     poll_awaitable(io_context& ctx, detail::poll_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
     friend poll_awaitable poll(io_context&, int, unsigned, wait_options) noexcept;
@@ -60,7 +60,7 @@ inline poll_awaitable poll(io_context& ctx, int fd, unsigned events,
 // CQE arrives. The fd must stay open until the stream is destroyed; close it after.
 // Pending next() calls are resumed with operation_canceled when the stream is destroyed.
 class poll_stream {
-public:
+  public:
     // Arms the poll. Throws std::system_error "poll_stream" when the ring fails.
     poll_stream(io_context& ctx, int fd, unsigned events = POLLIN);
     ~poll_stream();
@@ -81,7 +81,7 @@ public:
     std::uint64_t completions() const noexcept { return state_->completions; }
     int fd() const noexcept { return state_->fd; }
 
-private:
+  private:
     struct state {
         io_context* ctx;
         int fd;
@@ -106,7 +106,7 @@ private:
 // the fd. Await it once, in place: while suspended it is linked into the stream's queue of
 // waiters, so it is neither copyable nor movable. The stream may be destroyed while it waits.
 class [[nodiscard]] poll_stream::next_awaitable : detail::waiter {
-public:
+  public:
     next_awaitable(const next_awaitable&) = delete;
     next_awaitable& operator=(const next_awaitable&) = delete;
 
@@ -129,7 +129,7 @@ public:
         return std::exchange(s_->pending, 0u);
     }
 
-private:
+  private:
     friend class poll_stream; // links it into its queue and hands it revents_
 
     next_awaitable(poll_stream::state* st, wait_options o) noexcept

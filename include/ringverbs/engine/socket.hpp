@@ -20,7 +20,9 @@ struct accept_prep {
     sockaddr* addr;
     socklen_t* addrlen;
     int flags;
-    void operator()(io_uring_sqe* sqe) const { io_uring_prep_accept(sqe, fd, addr, addrlen, flags); }
+    void operator()(io_uring_sqe* sqe) const {
+        io_uring_prep_accept(sqe, fd, addr, addrlen, flags);
+    }
 };
 struct connect_prep {
     static constexpr const char* name = "connect";
@@ -57,12 +59,12 @@ struct send_prep {
 // The awaitable accept() returns. `co_await` gives the accepted socket's fd (the caller owns
 // it), or throws std::system_error "accept".
 class [[nodiscard]] accept_awaitable : detail::io_awaiter<detail::accept_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     accept_awaitable(io_context& ctx, detail::accept_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
     friend accept_awaitable accept(io_context&, int, wait_options, sockaddr*, socklen_t*,
@@ -72,12 +74,12 @@ private:
 // The awaitable connect() returns. `co_await` gives 0 once connected, or throws
 // std::system_error "connect".
 class [[nodiscard]] connect_awaitable : detail::io_awaiter<detail::connect_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     connect_awaitable(io_context& ctx, detail::connect_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
     friend connect_awaitable connect(io_context&, int, const sockaddr*, socklen_t,
@@ -87,27 +89,26 @@ private:
 // The awaitable recv() returns. `co_await` gives the bytes received (0: the peer closed), or
 // throws std::system_error "recv".
 class [[nodiscard]] recv_awaitable : detail::io_awaiter<detail::recv_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     recv_awaitable(io_context& ctx, detail::recv_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
-    friend recv_awaitable recv(io_context&, int, std::span<std::byte>, wait_options,
-                               int) noexcept;
+    friend recv_awaitable recv(io_context&, int, std::span<std::byte>, wait_options, int) noexcept;
 };
 
 // The awaitable send() returns. `co_await` gives the bytes sent, or throws std::system_error
 // "send" (EPIPE when the peer closed, with the default MSG_NOSIGNAL).
 class [[nodiscard]] send_awaitable : detail::io_awaiter<detail::send_prep> {
-public:
+  public:
     using io_awaiter::await_ready;
     using io_awaiter::await_resume;
     using io_awaiter::await_suspend;
 
-private:
+  private:
     send_awaitable(io_context& ctx, detail::send_prep prep, wait_options options) noexcept
         : io_awaiter(ctx, prep, std::move(options)) {}
     friend send_awaitable send(io_context&, int, std::span<const std::byte>, wait_options,
@@ -125,8 +126,8 @@ inline accept_awaitable accept(io_context& ctx, int listen_fd, wait_options opti
 
 // co_await connect(ctx, fd, addr, len): connects a socket. `addr` must live until the
 // co_await returns. Errors: std::system_error "connect" (e.g. connection_refused).
-inline connect_awaitable connect(io_context& ctx, int fd, const sockaddr* addr,
-                                 socklen_t addrlen, wait_options options = {}) noexcept {
+inline connect_awaitable connect(io_context& ctx, int fd, const sockaddr* addr, socklen_t addrlen,
+                                 wait_options options = {}) noexcept {
     return {ctx, detail::connect_prep{fd, addr, addrlen}, std::move(options)};
 }
 

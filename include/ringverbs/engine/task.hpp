@@ -29,7 +29,7 @@ namespace detail {
 // at any optimisation level (GCC at -O0 does not turn symmetric transfer into a tail call),
 // while asynchronous completions still resume the awaiter by symmetric transfer.
 class task_promise_base {
-public:
+  public:
     std::suspend_always initial_suspend() noexcept { return {}; }
 
     struct final_awaiter {
@@ -37,8 +37,7 @@ public:
         template <typename Promise>
         std::coroutine_handle<> await_suspend(std::coroutine_handle<Promise> self) noexcept {
             task_promise_base& p = self.promise();
-            if (p.done_.exchange(true, std::memory_order_acq_rel))
-                return p.continuation_;
+            if (p.done_.exchange(true, std::memory_order_acq_rel)) return p.continuation_;
             return std::noop_coroutine();
         }
         void await_resume() noexcept {}
@@ -55,12 +54,12 @@ public:
         return !done_.exchange(true, std::memory_order_acq_rel);
     }
 
-protected:
+  protected:
     void rethrow_if_failed() {
         if (exception_) std::rethrow_exception(exception_);
     }
 
-private:
+  private:
     std::coroutine_handle<> continuation_;
     std::exception_ptr exception_;
     std::atomic<bool> done_{false};
@@ -68,7 +67,7 @@ private:
 
 template <typename T>
 class task_promise final : public task_promise_base {
-public:
+  public:
     task_promise() noexcept {}
     ~task_promise() {
         if (has_value_) value_.~T();
@@ -77,7 +76,7 @@ public:
     task<T> get_return_object() noexcept;
 
     template <typename U>
-        requires std::is_convertible_v<U&&, T>
+    requires std::is_convertible_v<U&&, T>
     void return_value(U&& v) noexcept(std::is_nothrow_constructible_v<T, U&&>) {
         ::new (static_cast<void*>(std::addressof(value_))) T(std::forward<U>(v));
         has_value_ = true;
@@ -88,7 +87,7 @@ public:
         return std::move(value_);
     }
 
-private:
+  private:
     union {
         T value_;
     };
@@ -97,7 +96,7 @@ private:
 
 template <>
 class task_promise<void> final : public task_promise_base {
-public:
+  public:
     task<void> get_return_object() noexcept;
     void return_void() noexcept {}
     void take() { rethrow_if_failed(); }
@@ -107,7 +106,7 @@ public:
 
 template <typename T>
 class [[nodiscard]] task {
-public:
+  public:
     using promise_type = detail::task_promise<T>;
     using value_type = T;
 
@@ -147,7 +146,7 @@ public:
         return awaiter{handle_};
     }
 
-private:
+  private:
     std::coroutine_handle<promise_type> handle_;
 };
 

@@ -29,14 +29,14 @@ struct sleep_prep {
 // fires first (or the io_context is being destroyed). Await it once, in place: the kernel
 // reads the timespec it holds, so it is neither copyable nor movable.
 class [[nodiscard]] sleep_awaitable {
-public:
+  public:
     sleep_awaitable(const sleep_awaitable&) = delete;
     sleep_awaitable& operator=(const sleep_awaitable&) = delete;
     bool await_ready() noexcept { return op_.await_ready(); }
     void await_suspend(std::coroutine_handle<> h) { op_.await_suspend(h); }
     void await_resume() { (void)op_.await_resume(); }
 
-private:
+  private:
     sleep_awaitable(io_context& ctx, std::chrono::nanoseconds d, std::stop_token stop) noexcept
         : ts_(detail::to_kernel_timespec(d)),
           op_(ctx, detail::sleep_prep{&ts_}, wait_options{std::move(stop)}) {}

@@ -37,8 +37,8 @@ struct when_all_child_promise {
     std::suspend_always initial_suspend() noexcept { return {}; }
     struct final_awaiter {
         bool await_ready() noexcept { return false; }
-        std::coroutine_handle<> await_suspend(
-            std::coroutine_handle<when_all_child_promise> self) noexcept {
+        std::coroutine_handle<>
+        await_suspend(std::coroutine_handle<when_all_child_promise> self) noexcept {
             when_all_latch* l = self.promise().latch;
             if (l->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) return l->parent;
             return std::noop_coroutine();
@@ -56,7 +56,7 @@ struct when_all_child_promise {
 };
 
 class when_all_child {
-public:
+  public:
     using promise_type = when_all_child_promise;
     when_all_child(std::coroutine_handle<promise_type> h) noexcept : h_(h) {}
     when_all_child(when_all_child&& o) noexcept : h_(std::exchange(o.h_, {})) {}
@@ -69,7 +69,7 @@ public:
         h_.resume();
     }
 
-private:
+  private:
     std::coroutine_handle<promise_type> h_;
 };
 
@@ -91,7 +91,8 @@ struct start_all {
     bool await_suspend(std::coroutine_handle<> parent) noexcept {
         latch.parent = parent;
         if constexpr (requires { children.begin(); }) {
-            for (auto& c : children) c.start(latch);
+            for (auto& c : children)
+                c.start(latch);
         } else {
             std::apply([&](auto&... c) { (c.start(latch), ...); }, children);
         }
@@ -122,7 +123,8 @@ when_all(task<Ts>... tasks) {
 // co_await when_all(std::move(vector_of_tasks)): the same for a dynamic number of tasks of
 // one type; gives their results in order (nothing for task<void>).
 template <typename T>
-task<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> when_all(std::vector<task<T>> tasks) {
+task<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>>
+when_all(std::vector<task<T>> tasks) {
     detail::when_all_latch latch{tasks.size() + 1, {}, {}};
     std::vector<std::optional<detail::when_all_value_t<T>>> slots(tasks.size());
     std::vector<detail::when_all_child> children;
@@ -134,7 +136,8 @@ task<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> when_all(std::
     if constexpr (!std::is_void_v<T>) {
         std::vector<T> out;
         out.reserve(slots.size());
-        for (auto& s : slots) out.push_back(std::move(*s));
+        for (auto& s : slots)
+            out.push_back(std::move(*s));
         co_return out;
     }
 }

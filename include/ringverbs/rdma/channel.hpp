@@ -27,7 +27,7 @@ class cq;
 // Lifetime: the channel's state lives until its last CQ is gone, so the handles may be
 // destroyed in any order. Everything must be destroyed before the io_context, on its thread.
 class channel {
-public:
+  public:
     // Throws std::system_error naming ibv_create_comp_channel (EMFILE: out of file
     // descriptors), fcntl, or io_uring_submit.
     channel(io_context& ctx, const verbs::context& device, channel_options options = {});
@@ -45,7 +45,7 @@ public:
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
 
-private:
+  private:
     friend class cq;
     std::shared_ptr<detail::channel_state> state_;
 };

@@ -25,13 +25,13 @@ inline std::error_code make_error_code(ibv_wc_status s) noexcept {
 // A request cancelled through its stop_token or timeout throws std::system_error with
 // errc::operation_canceled / errc::timed_out instead, once its flush completion arrived.
 class completion_error : public std::system_error {
-public:
+  public:
     completion_error(const ibv_wc& wc, const char* operation);
     ibv_wc_status status() const noexcept { return static_cast<ibv_wc_status>(code().value()); }
     std::uint32_t vendor_err() const noexcept { return vendor_err_; }
     std::uint64_t wr_id() const noexcept { return wr_id_; }
 
-private:
+  private:
     std::uint32_t vendor_err_;
     std::uint64_t wr_id_;
 };

@@ -3,11 +3,11 @@
 
 #include <ringverbs/config.hpp>
 
-#include <ringverbs/rdma/channel.hpp>
-#include <ringverbs/rdma/detail/rdma_state.hpp>
 #include <ringverbs/engine/detail/waiter.hpp>
 #include <ringverbs/engine/error.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
 
 #include <infiniband/verbs.h>
 
@@ -37,7 +37,7 @@ struct cq_options {
 // Lifetime: the state lives while a qp uses it; destroying the handle resumes pending next()
 // calls with operation_canceled. Destroy before the io_context, on its thread.
 class cq {
-public:
+  public:
     // Throws std::system_error naming ibv_create_cq (EINVAL: comp_vector out of range or too
     // many entries; ENOMEM: out of resources) or ibv_req_notify_cq.
     explicit cq(channel& ch, cq_options options = {});
@@ -67,17 +67,18 @@ public:
     // Completions buffered for next() consumers.
     std::size_t buffered() const noexcept { return state_->count; }
 
-private:
+  private:
     friend class qp;
 
     // What next() and next_batch() share: waits until completions are buffered for next()
     // consumers, then takes up to `capacity` of them.
     class completion_wait : detail::completion_waiter {
-    public:
+      public:
         completion_wait(const completion_wait&) = delete;
         completion_wait& operator=(const completion_wait&) = delete;
         bool await_ready() noexcept {
-            while (taken < capacity && state_->pop(out[taken])) ++taken;
+            while (taken < capacity && state_->pop(out[taken]))
+                ++taken;
             return taken > 0 || state_->closed || state_->error != 0 ||
                    (state_->channel && state_->channel->error != 0);
         }
@@ -86,7 +87,7 @@ private:
             start(*state_->channel->ctx, options_, h, state_, &cq::detach);
         }
 
-    protected:
+      protected:
         completion_wait(detail::cq_state* state, ibv_wc* out, std::size_t capacity,
                         wait_options options) noexcept
             : state_(state), options_(std::move(options)) {
@@ -100,22 +101,24 @@ private:
             // may have been destroyed by a coroutine that resumed before this one.
             if (decided()) {
                 const int err = error();
-                if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
+                if (err == EOVERFLOW)
+                    throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
                 if (err != 0) throw_system_error(err, "cq::next");
                 return taken;
             }
             // Ready at once (await_ready), without suspending: *state_ is alive.
             if (taken == 0) {
-                const int err = state_->closed ? ECANCELED
+                const int err = state_->closed       ? ECANCELED
                                 : state_->error != 0 ? state_->error
                                                      : state_->channel->error;
-                if (err == EOVERFLOW) throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
+                if (err == EOVERFLOW)
+                    throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
                 throw_system_error(err, "cq::next");
             }
             return taken;
         }
 
-    private:
+      private:
         detail::cq_state* state_;
         wait_options options_;
     };
@@ -128,13 +131,13 @@ private:
 // cq::next_awaitable: returned by cq::next(); co_await gives the next ibv_wc (see next()).
 // Awaited in place, not moved.
 class cq::next_awaitable : public cq::completion_wait {
-public:
+  public:
     ibv_wc await_resume() {
         take();
         return wc_;
     }
 
-private:
+  private:
     friend class cq;
     next_awaitable(detail::cq_state* state, wait_options options) noexcept
         : completion_wait(state, &wc_, 1, std::move(options)) {}
@@ -144,10 +147,10 @@ private:
 // cq::batch_awaitable: returned by cq::next_batch(); co_await gives how many completions were
 // written to the span (at least one; see next_batch()). Awaited in place, not moved.
 class cq::batch_awaitable : public cq::completion_wait {
-public:
+  public:
     std::size_t await_resume() { return take(); }
 
-private:
+  private:
     friend class cq;
     using completion_wait::completion_wait;
 };

@@ -59,7 +59,7 @@ struct device_events_counters {
 // Lifetime: destroy before the io_context, on its thread; pending next() calls resume with
 // operation_canceled.
 class device_events {
-public:
+  public:
     // Throws std::system_error naming fcntl (the async fd), io_uring_submit, or
     // "device_events" with EBUSY when the context is already watched.
     device_events(io_context& ctx, const verbs::context& device);
@@ -78,7 +78,7 @@ public:
     // Events read and not yet taken by next().
     std::size_t queued() const noexcept { return state_->queue.size(); }
 
-private:
+  private:
     struct state {
         io_context* ctx = nullptr;
         std::shared_ptr<ibv_context> device;
@@ -101,7 +101,7 @@ private:
 // device_events::next_awaitable: returned by device_events::next(); co_await gives the next
 // async_event (see next()). Awaited in place, not moved.
 class device_events::next_awaitable : detail::waiter {
-public:
+  public:
     next_awaitable(const next_awaitable&) = delete;
     next_awaitable& operator=(const next_awaitable&) = delete;
     bool await_ready() noexcept {
@@ -119,12 +119,14 @@ public:
     async_event await_resume() {
         const int err = decided() ? error() : 0;
         if (!has)
-            throw_system_error(err != 0 ? err : state_->closed ? ECANCELED : state_->error,
+            throw_system_error(err != 0         ? err
+                               : state_->closed ? ECANCELED
+                                                : state_->error,
                                "device_events::next");
         return event;
     }
 
-private:
+  private:
     friend class device_events;
     friend struct device_events::state; // drain() hands an event over: `event`, `has`
     next_awaitable(state* s, wait_options options) noexcept

@@ -4,12 +4,12 @@
 
 #include <ringverbs/config.hpp>
 
-#include <ringverbs/rdma/completion_error.hpp>
-#include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/engine/detail/io_awaiter.hpp>
-#include <ringverbs/rdma/detail/rdma_state.hpp>
 #include <ringverbs/engine/detail/stop_gate.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
 #include <ringverbs/verbs/memory_region.hpp>
 #include <ringverbs/verbs/protection_domain.hpp>
 #include <ringverbs/verbs/queue_pair.hpp>
@@ -112,7 +112,6 @@ struct wr_request {
 
 } // namespace detail
 
-
 // Owns an RC queue pair whose send and receive completions go to two cqs (which may be the
 // same). Connect it with the verbs-level calls on native_qp() (to_init/to_rtr/to_rts) or
 // verbs::connect_loopback, then post and co_await:
@@ -130,14 +129,14 @@ struct wr_request {
 // as never flushed); then the QP is destroyed. No buffer is written after its awaiter
 // resumed. Destroy before the io_context, on its thread.
 class qp {
-public:
+  public:
     class request;
     class close_awaitable;
 
     // Throws std::system_error naming ibv_create_qp, or EINVAL when the CQs would be
     // overcommitted (see qp_options::allow_cq_overcommit).
-    qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps = {},
-       qp_options options = {});
+    qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
+       const verbs::qp_caps& caps = {}, qp_options options = {});
     // Adopts an RC QP created elsewhere on these CQs (its send_cq and recv_cq are
     // send_cq.native() and recv_cq.native(), else EINVAL), e.g. by rdma_create_qp:
     // cm_id::make_qp (<ringverbs/cm/cm_id.hpp>) is the way in for a connection. `adopted`'s
@@ -177,27 +176,27 @@ public:
     request recv(local_buffer into, wait_options w = {}) noexcept;
     // RDMA WRITE of `data` to `to` (with immediate data, unsignaled per `o`).
     request write(local_buffer data, remote_buffer to, send_options o = {},
-                             wait_options w = {}) noexcept;
+                  wait_options w = {}) noexcept;
     // RDMA READ of `from` into `into`.
     request read(local_buffer into, remote_buffer from, wait_options w = {}) noexcept;
     // Atomic compare-and-swap of the 8 bytes at `at`; the old value lands in `old_value`
     // (8 bytes, registered).
     request compare_swap(local_buffer old_value, remote_buffer at, std::uint64_t compare,
-                                    std::uint64_t swap, wait_options w = {}) noexcept;
+                         std::uint64_t swap, wait_options w = {}) noexcept;
     // Atomic fetch-and-add on the 8 bytes at `at`; the old value lands in `old_value`.
     request fetch_add(local_buffer old_value, remote_buffer at, std::uint64_t add,
-                                 wait_options w = {}) noexcept;
+                      wait_options w = {}) noexcept;
 
     // Posts a chain of send requests in one ibv_post_send and awaits them together: the await
     // ends with the completion of the last one (which is made signaled); earlier ones may be
     // unsignaled (selective signaling). Their wr_ids are overwritten. Completions of the chain
     // are copied to `each` (in order, as many as fit) when given. The first failure throws.
     request post_send(ibv_send_wr& chain, std::span<ibv_wc> each = {},
-                                 wait_options w = {}) noexcept;
+                      wait_options w = {}) noexcept;
     // The same for a chain of receives in one ibv_post_recv: ends with the last one's
     // completion; every receive produces one, copied to `each`.
     request post_recv(ibv_recv_wr& chain, std::span<ibv_wc> each = {},
-                                 wait_options w = {}) noexcept;
+                      wait_options w = {}) noexcept;
 
     // co_await q.close(): the graceful, awaited end. With requests owed, moves the QP to the
     // error state and resumes once every one of them has ended (by its flush, or by the
@@ -206,8 +205,7 @@ public:
     // operation_canceled per `w` (the requests still end later, as after ~qp).
     close_awaitable close(wait_options w = {}) noexcept;
 
-private:
-
+  private:
     std::shared_ptr<detail::qp_state> state_;
 };
 
@@ -227,7 +225,7 @@ private:
 //   state, which flushes every outstanding request of the QP (IBV_WC_WR_FLUSH_ERR); the
 //   awaiter then resumes on its flush completion with operation_canceled / timed_out.
 class qp::request : detail::wr_op, detail::wait_core {
-public:
+  public:
     // Made in place (a prvalue) and never moved: the wr_id is its address.
     request(const request&) = delete;
     request& operator=(const request&) = delete;
@@ -259,7 +257,7 @@ public:
     void await_suspend(std::coroutine_handle<> h);
     ibv_wc await_resume();
 
-private:
+  private:
     friend class qp;
     enum class kind { send, recv };
 
@@ -300,7 +298,7 @@ private:
 // qp::close_awaitable: returned by qp::close(); co_await it (gives nothing, throws as close()
 // says). Awaited in place, not moved.
 class qp::close_awaitable : detail::waiter {
-public:
+  public:
     close_awaitable(const close_awaitable&) = delete;
     close_awaitable& operator=(const close_awaitable&) = delete;
     bool await_ready() noexcept {
@@ -318,15 +316,17 @@ public:
         if (err != 0) throw_system_error(err, "qp::close");
     }
 
-private:
+  private:
     friend class qp;
     close_awaitable(detail::qp_state* state, wait_options options) noexcept
-    : state_(state), options_(std::move(options)) {}
+        : state_(state), options_(std::move(options)) {}
 
     detail::qp_state* state_;
     wait_options options_;
 };
 
-inline qp::close_awaitable qp::close(wait_options w) noexcept { return {state_.get(), std::move(w)}; }
+inline qp::close_awaitable qp::close(wait_options w) noexcept {
+    return {state_.get(), std::move(w)};
+}
 
 } // namespace ringverbs

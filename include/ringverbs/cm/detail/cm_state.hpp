@@ -55,7 +55,7 @@ struct cm_accept_waiter : waiter {
 struct cm_channel_state {
     io_context* ctx;
     std::shared_ptr<rdma_event_channel> channel;
-    fd_watch* watch = nullptr; // the multishot poll on the event channel's fd
+    fd_watch* watch = nullptr;     // the multishot poll on the event channel's fd
     std::vector<cm_id_state*> ids; // live ids (raw: each removes itself), to fail on poll error
     std::uint64_t events = 0;      // rdma_cm events read
     int error = 0;                 // a failure of the fd poll or of rdma_get_cm_event: dead

@@ -24,7 +24,7 @@ namespace ringverbs::detail {
 //   (EBADF, EINVAL..., or max_retries turns in a row without an SQE).
 // - on_ready / on_error run in the CQE loop: they must not resume coroutines inline.
 class fd_watch : operation {
-public:
+  public:
     using ready_fn = void (*)(void* owner, unsigned revents) noexcept;
     using error_fn = void (*)(void* owner, int err) noexcept; // err: a positive errno
 
@@ -32,8 +32,8 @@ public:
     // reported to on_error as ECANCELED (for owners whose waiters must learn of it). Throws
     // std::system_error naming io_uring_submit.
     static fd_watch* start(io_context& ctx, int fd, std::shared_ptr<void> keep_open, void* owner,
-                           ready_fn on_ready, error_fn on_error, unsigned events = 0x001 /* POLLIN */,
-                           bool report_shutdown = false);
+                           ready_fn on_ready, error_fn on_error,
+                           unsigned events = 0x001 /* POLLIN */, bool report_shutdown = false);
     // For the owner's destructor: cancels the poll and hands the watch over to the kernel's
     // last CQE, or frees it now when none is owed.
     void release() noexcept;
@@ -44,7 +44,7 @@ public:
 
     static constexpr unsigned max_retries = 1000;
 
-private:
+  private:
     struct retry_poller : poller {
         fd_watch* watch = nullptr;
     };

@@ -36,7 +36,7 @@ inline __kernel_timespec to_kernel_timespec(std::chrono::nanoseconds d) noexcept
 // buffers it names and the timespec outlive everything the kernel does for it.
 template <typename Prep>
 class [[nodiscard]] io_awaiter : operation {
-public:
+  public:
     io_awaiter(io_context& ctx, Prep prep, wait_options options) noexcept
         : ctx_(&ctx), prep_(prep), options_(std::move(options)) {
         on_cqe = &io_awaiter::complete;
@@ -79,13 +79,13 @@ public:
         if constexpr (requires { Prep::result(0); }) res = Prep::result(res);
         if (res >= 0) return res;
         int err = -res;
-        if (err == ECANCELED && !gate_.stop_won() &&
-            options_.timeout != wait_options::no_timeout && !ctx_->shutting_down())
+        if (err == ECANCELED && !gate_.stop_won() && options_.timeout != wait_options::no_timeout &&
+            !ctx_->shutting_down())
             err = ETIMEDOUT;
         throw_system_error(err, Prep::name);
     }
 
-private:
+  private:
     static void complete(operation* op, int res, unsigned) noexcept {
         auto* self = static_cast<io_awaiter*>(op);
         self->res_ = res;

@@ -25,7 +25,7 @@ namespace ringverbs::detail {
 // - The std::stop_callback is destroyed before the awaiter: its destructor waits for a
 //   callback running on another thread, which then cannot touch a dead gate.
 class stop_gate : remote_node {
-public:
+  public:
     using on_stop_fn = bool (*)(void* owner) noexcept;
     using on_resume_fn = void (*)(void* owner) noexcept;
 
@@ -59,14 +59,12 @@ public:
 
     // True when a stop request won: the operation ends as cancelled (unless its real result
     // arrived first, which the owner decides).
-    bool stop_won() const noexcept {
-        return state_.load(std::memory_order_acquire) == stop_queued;
-    }
+    bool stop_won() const noexcept { return state_.load(std::memory_order_acquire) == stop_queued; }
 
     // Destroys the stop callback (waiting for it if it runs on another thread right now).
     void disarm() noexcept { callback_.reset(); }
 
-private:
+  private:
     enum : std::uint8_t { armed, stop_queued, finished };
 
     struct trigger {
@@ -90,7 +88,7 @@ private:
     on_stop_fn on_stop_ = nullptr;
     on_resume_fn on_resume_ = nullptr;
     std::atomic<std::uint8_t> state_{armed};
-    bool stop_handled_ = false;  // context thread only
+    bool stop_handled_ = false;   // context thread only
     bool finished_early_ = false; // context thread only
     std::optional<std::stop_callback<trigger>> callback_;
 };

@@ -29,7 +29,7 @@ namespace ringverbs::detail {
 //   false). interrupted() tells which came first.
 // - Everything that can throw happens in reserve_timer(), before the owner links or posts.
 class wait_core : operation {
-public:
+  public:
     using interrupt_fn = bool (*)(wait_core* self, int reason) noexcept;
 
     enum class phase : std::uint8_t {
@@ -58,7 +58,7 @@ public:
     // Starts waiting with the SQE from reserve_timer(). Never throws. The stop callback may run
     // at once (stop already requested): the owner must be ready for interrupt by then.
     void begin_wait(io_context& ctx, const wait_options& options, io_uring_sqe* timer_sqe,
-               std::coroutine_handle<> h, interrupt_fn interrupt) noexcept {
+                    std::coroutine_handle<> h, interrupt_fn interrupt) noexcept {
         ctx_ = &ctx;
         handle_ = h;
         interrupt_ = interrupt;
@@ -78,8 +78,10 @@ public:
     void decide(int error) noexcept {
         phase_ = phase::decided;
         error_ = error;
-        if (timer_pending_) cancel_timer(); // resumed on the timer's CQE
-        else finish();
+        if (timer_pending_)
+            cancel_timer(); // resumed on the timer's CQE
+        else
+            finish();
     }
 
     phase wait_phase() const noexcept { return phase_; }
@@ -97,7 +99,7 @@ public:
         return error_;
     }
 
-private:
+  private:
     void finish() noexcept {
         if (gate_.finish()) resume();
     }

@@ -17,7 +17,7 @@ namespace ringverbs::detail {
 // (the source before calling fulfil(); the deadline and the stop through the detach function).
 // The rest (resumed once decided and once its timer's CQE came) is wait_core's.
 class waiter : wait_core {
-public:
+  public:
     using detach_fn = void (*)(void* source, waiter* w) noexcept;
 
     waiter* prev = nullptr; // the source's queue links, owned by the source
@@ -52,7 +52,7 @@ public:
     // source's error).
     int error() noexcept { return finish_wait(); }
 
-private:
+  private:
     // The deadline or the stop came first: leave the source's queue, end with that reason.
     static bool interrupted_by(wait_core* core, int) noexcept {
         auto* self = static_cast<waiter*>(core);
@@ -66,13 +66,15 @@ private:
 
 // An intrusive FIFO of waiters. Not thread-safe: the source lives on one context's thread.
 class waiter_queue {
-public:
+  public:
     bool empty() const noexcept { return head_ == nullptr; }
     void push_back(waiter* w) noexcept {
         w->next = nullptr;
         w->prev = tail_;
-        if (tail_) tail_->next = w;
-        else head_ = w;
+        if (tail_)
+            tail_->next = w;
+        else
+            head_ = w;
         tail_ = w;
     }
     waiter* pop_front() noexcept {
@@ -81,16 +83,22 @@ public:
         return w;
     }
     // A waiter::detach_fn for waiters whose source is a waiter_queue.
-    static void detach(void* queue, waiter* w) noexcept { static_cast<waiter_queue*>(queue)->remove(w); }
+    static void detach(void* queue, waiter* w) noexcept {
+        static_cast<waiter_queue*>(queue)->remove(w);
+    }
     void remove(waiter* w) noexcept {
-        if (w->prev) w->prev->next = w->next;
-        else head_ = w->next;
-        if (w->next) w->next->prev = w->prev;
-        else tail_ = w->prev;
+        if (w->prev)
+            w->prev->next = w->next;
+        else
+            head_ = w->next;
+        if (w->next)
+            w->next->prev = w->prev;
+        else
+            tail_ = w->prev;
         w->prev = w->next = nullptr;
     }
 
-private:
+  private:
     waiter* head_ = nullptr;
     waiter* tail_ = nullptr;
 };

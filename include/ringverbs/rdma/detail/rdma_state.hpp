@@ -59,8 +59,8 @@ struct channel_state {
     channel_counters counters;
     fd_watch* watch = nullptr; // the multishot poll on the channel's fd
     service_poller service;
-    bool fd_ready = false;  // the fd was reported readable: drain events this turn
-    bool spinning = false;  // busy, or hybrid within its spin window
+    bool fd_ready = false; // the fd was reported readable: drain events this turn
+    bool spinning = false; // busy, or hybrid within its spin window
     std::chrono::steady_clock::time_point last_completion{};
     std::chrono::nanoseconds spin_window{}; // hybrid: options.hybrid_spin, or adapted
     int next_vector = 0;
@@ -68,10 +68,10 @@ struct channel_state {
     // no event can be pending and reading the fd again would only return EAGAIN.
     std::size_t armed_cqs = 0;
     std::uint32_t spin_turns = 0;
-    std::vector<cq_state*> cqs; // attached CQs (raw: each removes itself)
+    std::vector<cq_state*> cqs;   // attached CQs (raw: each removes itself)
     std::vector<cq_state*> fired; // CQs with an event this turn
-    int error = 0;           // a failure of the fd poll: the channel is dead
-    bool rearm_due = false;  // a CQ's arming failed for a while: arm it on the next pass
+    int error = 0;                // a failure of the fd poll: the channel is dead
+    bool rearm_due = false;       // a CQ's arming failed for a while: arm it on the next pass
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
     ~channel_state();
@@ -117,7 +117,7 @@ struct cq_state {
     bool solicited_only = false;
     bool armed = false;
     bool closed = false; // the user's cq handle is gone: next() consumers are no more
-    int error = 0; // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
+    int error = 0;       // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     cq_counters counters;
     waiter_queue waiters; // of completion_waiter
     // A next_batch() waiter fulfilled during the current poll with room left: the poll's
@@ -173,9 +173,9 @@ struct qp_state {
     bool async_failed = false;
     ibv_event_type async_error{};
     sink_op sink;
-    std::size_t sink_outstanding = 0;   // forced-signaled requests owed a completion
-    std::uint32_t signal_interval = 1;  // at least one signaled in this many unsignaled
-    std::uint32_t unsignaled_run = 0;   // unsignaled posted since the last signaled one
+    std::size_t sink_outstanding = 0;  // forced-signaled requests owed a completion
+    std::uint32_t signal_interval = 1; // at least one signaled in this many unsignaled
+    std::uint32_t unsignaled_run = 0;  // unsignaled posted since the last signaled one
     qp_counters counters;
     std::optional<ibv_wc> unsignaled_failure; // the first non-flush failure of one of them
 
@@ -192,7 +192,7 @@ struct qp_state {
     // Set by ~qp while requests are still owed: the state owns itself until the last one
     // completes (or is declared never flushed), then frees itself from its flush timer's CQE.
     std::shared_ptr<qp_state> keep_alive;
-    waiter_queue close_waiters; // qp::close(): resumed once nothing is owed
+    waiter_queue close_waiters;     // qp::close(): resumed once nothing is owed
     std::size_t committed_send = 0; // what this QP added to send_cq->committed
     std::size_t committed_recv = 0;
 
@@ -245,6 +245,5 @@ struct qp_state {
 // vendor_err of the completions made up by qp_state::reset(true) for requests the device
 // never flushed (a device whose flushes get lost: Linux 6.1's rxe, a CQ overrun).
 inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
-
 
 } // namespace ringverbs::detail
