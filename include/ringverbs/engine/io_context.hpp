@@ -391,7 +391,7 @@ class [[nodiscard]] io_context::schedule_awaitable : detail::remote_node {
 
     bool await_ready() const noexcept { return false; }
     void await_suspend(std::coroutine_handle<> caller) noexcept {
-        h_ = caller;
+        handle_ = caller;
         ctx_->push_remote(this);
     }
     void await_resume() const noexcept {}
@@ -402,12 +402,12 @@ class [[nodiscard]] io_context::schedule_awaitable : detail::remote_node {
     explicit schedule_awaitable(io_context* c) noexcept : ctx_(c) {
         run = [](detail::remote_node* n) noexcept {
             auto* self = static_cast<schedule_awaitable*>(n);
-            self->ctx_->ready(self->h_);
+            self->ctx_->ready(self->handle_);
         };
     }
 
     io_context* ctx_;
-    std::coroutine_handle<> h_;
+    std::coroutine_handle<> handle_;
 };
 
 inline io_context::schedule_awaitable io_context::schedule() noexcept {

@@ -111,12 +111,12 @@ class [[nodiscard]] poll_stream::next_awaitable : detail::waiter {
     next_awaitable& operator=(const next_awaitable&) = delete;
 
     bool await_ready() noexcept {
-        if (s_->pending != 0 || s_->error != 0) return true;
+        if (state_->pending != 0 || state_->error != 0) return true;
         return false;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        s_->waiters.push_back(this);
-        start(*s_->ctx, options_, h, s_, &poll_stream::detach);
+        state_->waiters.push_back(this);
+        start(*state_->ctx, options_, h, state_, &poll_stream::detach);
     }
     unsigned await_resume() {
         if (decided()) { // fulfilled (revents set) or failed; the stream may be gone
@@ -124,18 +124,18 @@ class [[nodiscard]] poll_stream::next_awaitable : detail::waiter {
             if (err != 0) throw_system_error(err, "poll_stream");
             return revents_;
         }
-        // Ready at once: *s_ is alive.
-        if (s_->pending == 0) throw_system_error(s_->error, "poll_stream");
-        return std::exchange(s_->pending, 0u);
+        // Ready at once: *state_ is alive.
+        if (state_->pending == 0) throw_system_error(state_->error, "poll_stream");
+        return std::exchange(state_->pending, 0u);
     }
 
   private:
     friend class poll_stream; // links it into its queue and hands it revents_
 
     next_awaitable(poll_stream::state* st, wait_options o) noexcept
-        : s_(st), options_(std::move(o)) {}
+        : state_(st), options_(std::move(o)) {}
 
-    poll_stream::state* s_;
+    poll_stream::state* state_;
     wait_options options_;
     unsigned revents_ = 0;
 };
