@@ -3,13 +3,37 @@
 namespace ringverbs {
 
 namespace {
+
+// What a status usually means for the application, where ibv_wc_status_str alone is terse.
+const char* explanation(ibv_wc_status status) noexcept {
+    switch (status) {
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+        return "the peer had no receive posted (RNR) through every retry "
+               "(verbs::rts_params::rnr_retry, cm_conn_options::rnr_retry_count)";
+    case IBV_WC_RETRY_EXC_ERR:
+        return "the peer did not acknowledge through every retry: gone, unreachable, or its QP "
+               "not connected (verbs::rts_params::retry_cnt, cm_conn_options::retry_count)";
+    case IBV_WC_REM_INV_REQ_ERR:
+        return "the peer refused the request (e.g. a message larger than its receive)";
+    case IBV_WC_REM_ACCESS_ERR:
+        return "the peer refused the access (rkey, address range or access rights)";
+    default:
+        return nullptr;
+    }
+}
+
+// message(): ibv_wc_status_str, and what it usually means where that is terse.
 class wc_category final : public std::error_category {
   public:
     const char* name() const noexcept override { return "ibv_wc_status"; }
     std::string message(int v) const override {
-        return ibv_wc_status_str(static_cast<ibv_wc_status>(v));
+        const auto status = static_cast<ibv_wc_status>(v);
+        std::string text = ibv_wc_status_str(status);
+        if (const char* why = explanation(status)) text += std::string(": ") + why;
+        return text;
     }
 };
+
 } // namespace
 
 const std::error_category& wc_status_category() noexcept {

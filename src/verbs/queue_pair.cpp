@@ -144,7 +144,7 @@ void queue_pair::reset() {
 }
 
 void connect_loopback(queue_pair& a, queue_pair& b, std::uint8_t port, std::uint32_t gid_index,
-                      access remote_rights) {
+                      access remote_rights, const rts_params& send_side) {
     ibv_context* ctx = a.native()->context;
     if (ctx->device != b.native()->context->device)
         throw_system_error(EINVAL, "connect_loopback: the two QPs belong to different devices");
@@ -183,7 +183,7 @@ void connect_loopback(queue_pair& a, queue_pair& b, std::uint8_t port, std::uint
     b.to_init(port, remote_rights);
     connect_one(a, b);
     connect_one(b, a);
-    rts_params rts;
+    rts_params rts = send_side;
     rts.max_rd_atomic = rd_out;
     rts.sq_psn = initial_psn(a.qp_num());
     a.to_rts(rts);

@@ -5,6 +5,7 @@
 #include <ringverbs/cm/cm_id.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
 
 #include <doctest/doctest.h>
 
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stop_token>
 #include <string>
 #include <vector>
@@ -122,6 +124,50 @@ TEST_CASE("self-connect: one event channel listens and connects; private data bo
     CHECK(events.events() >= 6);
     MESSAGE("rdma_cm events: " << events.events() << ", request data " << request_seen.size()
                                << " bytes, accept data " << accept_seen.size() << " bytes");
+}
+
+TEST_CASE("a server that never posts a receive: the client's send ends with RNR (finite "
+          "rnr_retry_count by default) instead of stalling the connection") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20881);
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq cq_server(comp), cq_client(comp);
+    region out(pd, 4096);
+    fill(out.bytes, 5);
+    std::optional<completion_error> failure;
+    std::chrono::steady_clock::duration took{};
+    auto server = [&]() -> task<void> {
+        cm_id conn = co_await listener.accept(wait_options(10s));
+        qp q = conn.make_qp(pd, cq_server, cq_server); // and never a receive
+        co_await conn.accept_connection({}, wait_options(10s));
+        co_await conn.disconnected(wait_options(120s));
+    };
+    auto client = [&]() -> task<void> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, cq_client, cq_client);
+        co_await id.connect({}, wait_options(10s));
+        const auto start = std::chrono::steady_clock::now();
+        try {
+            co_await q.send(out.local(0, 100), {}, wait_options(90s));
+        } catch (const completion_error& e) {
+            failure = e;
+        }
+        took = std::chrono::steady_clock::now() - start;
+        co_await id.disconnect(wait_options(10s));
+    };
+    io.run(when_all(server(), client()));
+    REQUIRE(failure.has_value());
+    CHECK(failure->status() == IBV_WC_RNR_RETRY_EXC_ERR);
+    CHECK(std::string(failure->what()).find("no receive posted (RNR)") != std::string::npos);
+    MESSAGE("rdma_cm connection: RNR gave up after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
 }
 
 TEST_CASE("connect where nothing listens: refused, and the message says so") {

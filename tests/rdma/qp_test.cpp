@@ -8,7 +8,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <stop_token>
+#include <string>
 
 using namespace rt;
 using namespace std::chrono_literals;
@@ -295,7 +297,8 @@ bool stamped(std::span<const std::byte> s, std::uint32_t seq) {
 }
 
 // Two connected QPs where `a` can be destroyed on its own; `b` posts no receive unless a test
-// does, so a's sends stay outstanding (RNR retried for ever: rnr_retry 7) until a's QP fails.
+// does, so a's sends stay outstanding (RNR retried for ever: rnr_retry 7, not the default)
+// until a's QP fails.
 struct detachable_pair {
     channel ch;
     cq cq_a;
@@ -312,11 +315,58 @@ struct detachable_pair {
                                                 .max_inline_data = 64})),
           b(d.pd, cq_b, cq_b) {
         verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,
-                                rdma_device().gid_index, all_remote);
+                                rdma_device().gid_index, all_remote,
+                                verbs::rts_params{.rnr_retry = 7});
     }
 };
 
 } // namespace
+
+TEST_CASE("a peer that never posts a receive: the send ends with a completion_error naming RNR "
+          "(finite rnr_retry by default), and the peer's QP is untouched") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io); // default rts_params: rnr_retry 6
+    region out(dev.pd, 64), in(dev.pd, 64);
+    fill(out.bytes, 9);
+    std::optional<completion_error> failure;
+    const auto start = std::chrono::steady_clock::now();
+    auto sender = [&]() -> task<void> {
+        try {
+            // The timeout only keeps a regression (RNR retried for ever) from hanging the run.
+            co_await lp.a.send(out.local(0, 64), {}, wait_options(60s));
+        } catch (const completion_error& e) {
+            failure = e;
+        }
+    };
+    io.run(sender());
+    const auto took = std::chrono::steady_clock::now() - start;
+    REQUIRE(failure.has_value());
+    CHECK(failure->status() == IBV_WC_RNR_RETRY_EXC_ERR);
+    const std::string what = failure->what();
+    CHECK(what.find("ibv_post_send(SEND)") != std::string::npos);
+    CHECK(what.find("no receive posted (RNR)") != std::string::npos);
+    MESSAGE(
+        "RNR gave up after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                             << " ms: " << what);
+    // b never saw the message and is still usable: a receive posted now is simply pending.
+    auto r = lp.b.recv(in.all());
+    r.post();
+    CHECK(lp.b.pending() == 1);
+    CHECK(lp.a.pending() == 0);
+    lp.b.to_error();
+    auto drain = [rp = &r]() -> task<ibv_wc_status> {
+        qp::request& posted = *rp; // by reference: GCC 12 would copy a captured one
+        try {
+            ibv_wc wc = co_await posted;
+            (void)wc;
+        } catch (const completion_error& e) {
+            co_return e.status();
+        }
+        co_return IBV_WC_SUCCESS;
+    };
+    CHECK(io.run(drain()) == IBV_WC_WR_FLUSH_ERR);
+}
 
 TEST_CASE("unsignaled sends interleaved with signaled ones: every message arrives, in order") {
     device dev;

@@ -57,7 +57,10 @@ struct cm_conn_options {
     std::uint8_t responder_resources = 1;
     std::uint8_t initiator_depth = 1;
     std::uint8_t retry_count = 7;
-    std::uint8_t rnr_retry_count = 7; // 7: retry forever
+    // Retries after an RNR NAK (the peer had no receive posted); then the send fails with
+    // IBV_WC_RNR_RETRY_EXC_ERR. 6, the largest finite count: a peer that never posts receives
+    // ends the connection instead of stalling it for ever. 7: retry forever.
+    std::uint8_t rnr_retry_count = 6;
     // A constructor, not an aggregate, because of GCC 12's double destruction of aggregate
     // temporaries in co_await expressions.
     cm_conn_options() noexcept {}

@@ -59,8 +59,11 @@ struct rts_params {
     std::uint8_t timeout = 14;
     // Retries on timeout before the QP errors out (max 7).
     std::uint8_t retry_cnt = 7;
-    // Retries on RNR NAK; 7 means retry forever.
-    std::uint8_t rnr_retry = 7;
+    // Retries after an RNR NAK (the peer had no receive posted), each after the peer's
+    // min_rnr_timer; then the send fails with IBV_WC_RNR_RETRY_EXC_ERR and the QP errors out.
+    // 6 (the largest finite count): a peer that never posts receives ends the connection instead
+    // of stalling its sends for ever. 7 means retry forever.
+    std::uint8_t rnr_retry = 6;
     // RDMA reads/atomics this QP may have outstanding; <= device max_qp_init_rd_atom.
     std::uint8_t max_rd_atomic = 1;
 };
@@ -155,7 +158,9 @@ class queue_pair {
 // RDMA read depth (capped at 16), and distinct PSNs; both QPs end in RTS granting
 // `remote_rights`. The QPs must be in RESET. Throws std::system_error naming the verb that failed
 // (ibv_query_port, ibv_query_gid_ex, ibv_modify_qp).
+// `send_side` gives the retransmission behaviour (timeout, retry_cnt, rnr_retry); its sq_psn
+// and max_rd_atomic are replaced as above.
 void connect_loopback(queue_pair& a, queue_pair& b, std::uint8_t port, std::uint32_t gid_index,
-                      access remote_rights = access::none);
+                      access remote_rights = access::none, const rts_params& send_side = {});
 
 } // namespace ringverbs::verbs
