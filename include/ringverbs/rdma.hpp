@@ -6,9 +6,11 @@
 #include <ringverbs/config.hpp>
 
 #include <ringverbs/engine.hpp>
+#include <ringverbs/rdma/buffers.hpp>
 #include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/rdma/srq.hpp>
 #include <ringverbs/verbs.hpp>

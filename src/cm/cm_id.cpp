@@ -1,5 +1,6 @@
 #include <ringverbs/cm/cm_id.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/srq.hpp>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -440,7 +441,7 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
 verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
                                    const verbs::completion_queue& send_cq,
                                    const verbs::completion_queue& recv_cq,
-                                   const verbs::qp_caps& caps) {
+                                   const verbs::qp_caps& caps, ibv_srq* srq) {
     ibv_qp_init_attr init{};
     init.send_cq = send_cq.native();
     init.recv_cq = recv_cq.native();
@@ -450,6 +451,11 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
     init.cap.max_send_sge = caps.max_send_sge;
     init.cap.max_recv_sge = caps.max_recv_sge;
     init.cap.max_inline_data = caps.max_inline_data;
+    if (srq != nullptr) {
+        init.srq = srq;
+        init.cap.max_recv_wr = 0;
+        init.cap.max_recv_sge = 0;
+    }
     errno = 0;
     cm_check(rdma_create_qp(state_->id, pd.native(), &init),
              "rdma_create_qp (the PD must come from the id's device())");
@@ -465,8 +471,10 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
 
 qp cm_id::make_qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
                   const verbs::qp_caps& caps, qp_options options) {
-    return qp(create_qp(pd, send_cq.native_cq(), recv_cq.native_cq(), caps), send_cq, recv_cq,
-              options);
+    ibv_srq* shared =
+        options.shared_receive_queue ? options.shared_receive_queue->native() : nullptr;
+    return qp(create_qp(pd, send_cq.native_cq(), recv_cq.native_cq(), caps, shared), send_cq,
+              recv_cq, options);
 }
 
 } // namespace ringverbs

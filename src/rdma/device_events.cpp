@@ -3,6 +3,7 @@
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/rdma_state.hpp>
+#include <ringverbs/rdma/detail/srq_state.hpp>
 
 #include <fcntl.h>
 
@@ -158,6 +159,15 @@ void device_events::state::route(async_event& e) noexcept {
             c.fail_waiters(EOVERFLOW);
             for (detail::qp_state* q : c.qps)
                 q->to_error();
+        });
+    } else if (e.srq) {
+        detail::with_object(e.srq, [&](detail::srq_state& s) {
+            if (s.ctx != ctx) return; // another thread's: next() only
+            e.routed = true;
+            if (e.type == IBV_EVENT_SRQ_LIMIT_REACHED)
+                s.limit_reached();
+            else
+                s.failed();
         });
     } else if (e.qp && (e.type == IBV_EVENT_QP_FATAL || e.type == IBV_EVENT_QP_REQ_ERR ||
                         e.type == IBV_EVENT_QP_ACCESS_ERR)) {

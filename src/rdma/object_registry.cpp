@@ -11,6 +11,7 @@ struct registry {
     std::mutex lock;
     std::unordered_map<ibv_cq*, cq_state*> cqs;
     std::unordered_map<ibv_qp*, qp_state*> qps;
+    std::unordered_map<ibv_srq*, srq_state*> srqs;
 };
 
 registry& the_registry() {
@@ -28,6 +29,14 @@ void register_object(ibv_qp* qp, qp_state* s) {
     std::lock_guard g(the_registry().lock);
     the_registry().qps[qp] = s;
 }
+void register_object(ibv_srq* srq, srq_state* s) {
+    std::lock_guard g(the_registry().lock);
+    the_registry().srqs[srq] = s;
+}
+void unregister_object(ibv_srq* srq) noexcept {
+    std::lock_guard g(the_registry().lock);
+    the_registry().srqs.erase(srq);
+}
 void unregister_object(ibv_cq* cq) noexcept {
     std::lock_guard g(the_registry().lock);
     the_registry().cqs.erase(cq);
@@ -41,6 +50,11 @@ void lock_registry() noexcept {
 }
 void unlock_registry() noexcept {
     the_registry().lock.unlock();
+}
+srq_state* find_object(ibv_srq* srq) noexcept {
+    auto& m = the_registry().srqs;
+    auto it = m.find(srq);
+    return it == m.end() ? nullptr : it->second;
 }
 cq_state* find_object(ibv_cq* cq) noexcept {
     auto& m = the_registry().cqs;

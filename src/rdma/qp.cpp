@@ -3,6 +3,7 @@
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/rdma/srq.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -14,10 +15,13 @@ namespace ringverbs {
 namespace detail {
 
 qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
-                   std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
-                   std::chrono::nanoseconds flush_timeout, bool overcommit)
-    : qp_state(scq, rcq, verbs::queue_pair(pd, scq->cq, rcq->cq, caps), flush_timeout, overcommit) {
-}
+                   std::shared_ptr<cq_state> rcq, std::shared_ptr<srq_state> shared,
+                   const verbs::qp_caps& caps, std::chrono::nanoseconds flush_timeout,
+                   bool overcommit)
+    : qp_state(scq, rcq, shared,
+               verbs::queue_pair(pd, scq->cq, rcq->cq, caps, false,
+                                 shared ? shared->srq.get() : nullptr),
+               flush_timeout, overcommit) {}
 
 namespace {
 
@@ -39,16 +43,18 @@ void check_commitment(const cq_state& c, std::size_t adding, const char* what) {
 } // namespace
 
 qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
-                   verbs::queue_pair q, std::chrono::nanoseconds timeout, bool overcommit)
-    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), qp(std::move(q)),
+                   std::shared_ptr<srq_state> shared, verbs::queue_pair q,
+                   std::chrono::nanoseconds timeout, bool overcommit)
+    : send_cq(std::move(scq)), recv_cq(std::move(rcq)), srq(std::move(shared)), qp(std::move(q)),
       ctx(send_cq->channel->ctx), flush_timeout(timeout) {
+    if (srq) srq->attach(recv_cq); // first: it may throw
     sink.owner = this;
     sink.on_wc = &qp_state::sink_completed;
     flush_timer.owner = this;
     flush_timer.on_cqe = &qp_state::flush_timer_fired;
     signal_interval = std::clamp<std::uint32_t>(qp.caps().max_send_wr / 4, 1, 64);
     committed_send = qp.caps().max_send_wr;
-    committed_recv = qp.caps().max_recv_wr;
+    committed_recv = srq ? 0 : qp.caps().max_recv_wr; // an SRQ's receives: see srq
     if (!overcommit) {
         if (send_cq == recv_cq) {
             check_commitment(*send_cq, committed_send + committed_recv, "sends and receives");
@@ -311,6 +317,9 @@ qp::request::~request() {
 
 void qp::request::post() {
     if (posted_) return;
+    if (kind_ == kind::recv && qp_->srq) [[unlikely]]
+        throw_system_error(EINVAL, std::string(name_) +
+                                       ": the qp receives from an srq: post the receive there");
     if (qp_->in_error) [[unlikely]]
         qp_->posting_while_in_error();
     if (!signaled_ && post_unsignaled()) return;
@@ -481,27 +490,37 @@ ibv_wc qp::request::await_resume() {
     throw completion_error(first_error_, name_);
 }
 
+std::shared_ptr<detail::srq_state> qp::shared_state(const qp_options& o) {
+    return o.shared_receive_queue ? o.shared_receive_queue->state_ : nullptr;
+}
+
 qp::qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq, const verbs::qp_caps& caps,
        qp_options o)
-    : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, caps,
-                                                o.flush_timeout, o.allow_cq_overcommit)) {}
+    : state_(std::make_shared<detail::qp_state>(pd, send_cq.state_, recv_cq.state_, shared_state(o),
+                                                caps, o.flush_timeout, o.allow_cq_overcommit)) {}
 
 namespace {
-verbs::queue_pair checked_adoption(verbs::queue_pair q, const cq& send_cq, const cq& recv_cq) {
+verbs::queue_pair checked_adoption(verbs::queue_pair q, const cq& send_cq, const cq& recv_cq,
+                                   const qp_options& o) {
     const ibv_qp* native = q.native();
     if (native == nullptr) throw_system_error(EINVAL, "qp: the adopted verbs::queue_pair is empty");
     if (native->qp_type != IBV_QPT_RC)
         throw_system_error(EINVAL, "qp: the adopted QP is not an RC QP");
     if (native->send_cq != send_cq.native() || native->recv_cq != recv_cq.native())
         throw_system_error(EINVAL, "qp: the adopted QP's send_cq/recv_cq are not the given cqs");
+    const ibv_srq* expected = o.shared_receive_queue ? o.shared_receive_queue->native() : nullptr;
+    if (native->srq != expected)
+        throw_system_error(EINVAL,
+                           "qp: the adopted QP's srq is not qp_options::shared_receive_queue");
     return q;
 }
 } // namespace
 
 qp::qp(verbs::queue_pair adopted, cq& send_cq, cq& recv_cq, qp_options o)
     : state_(std::make_shared<detail::qp_state>(
-          send_cq.state_, recv_cq.state_, checked_adoption(std::move(adopted), send_cq, recv_cq),
-          o.flush_timeout, o.allow_cq_overcommit)) {}
+          send_cq.state_, recv_cq.state_, shared_state(o),
+          checked_adoption(std::move(adopted), send_cq, recv_cq, o), o.flush_timeout,
+          o.allow_cq_overcommit)) {}
 
 qp::~qp() {
     if (state_) detail::qp_state::release(std::move(state_));

@@ -13,6 +13,9 @@ constexpr verbs_hooks real{
     [](ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
         return ibv_post_recv(qp, wr, bad);
     },
+    [](ibv_srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
+        return ibv_post_srq_recv(srq, wr, bad);
+    },
     [](ibv_cq* cq, int solicited_only) noexcept { return ibv_req_notify_cq(cq, solicited_only); },
     [](ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
         return ibv_get_cq_event(ch, cq, ctx);

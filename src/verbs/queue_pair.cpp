@@ -45,7 +45,8 @@ std::uint32_t initial_psn(std::uint32_t qpn) noexcept {
 } // namespace
 
 queue_pair::queue_pair(const protection_domain& pd, const completion_queue& send_cq,
-                       const completion_queue& recv_cq, const qp_caps& caps, bool sq_sig_all) {
+                       const completion_queue& recv_cq, const qp_caps& caps, bool sq_sig_all,
+                       ibv_srq* srq) {
     ibv_qp_init_attr init{};
     init.send_cq = send_cq.native();
     init.recv_cq = recv_cq.native();
@@ -56,6 +57,11 @@ queue_pair::queue_pair(const protection_domain& pd, const completion_queue& send
     init.cap.max_send_sge = caps.max_send_sge;
     init.cap.max_recv_sge = caps.max_recv_sge;
     init.cap.max_inline_data = caps.max_inline_data;
+    if (srq != nullptr) {
+        init.srq = srq;
+        init.cap.max_recv_wr = 0;
+        init.cap.max_recv_sge = 0;
+    }
 
     errno = 0;
     ibv_qp* raw = ibv_create_qp(pd.native(), &init);

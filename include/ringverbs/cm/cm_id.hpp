@@ -170,10 +170,11 @@ class cm_id {
                const verbs::qp_caps& caps = {}, qp_options options = {});
     // The bare verbs QP for this id (rdma_create_qp on `pd` with the given CQs; destroyed by
     // rdma_destroy_qp), for those who post and poll themselves. Throws naming rdma_create_qp.
+    // With `srq`, its receives come from that shared receive queue.
     verbs::queue_pair create_qp(const verbs::protection_domain& pd,
                                 const verbs::completion_queue& send_cq,
                                 const verbs::completion_queue& recv_cq,
-                                const verbs::qp_caps& caps = {});
+                                const verbs::qp_caps& caps = {}, ibv_srq* srq = nullptr);
 
   private:
     friend struct detail::cm_channel_state;

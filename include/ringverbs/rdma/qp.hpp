@@ -7,6 +7,7 @@
 #include <ringverbs/engine/detail/io_awaiter.hpp>
 #include <ringverbs/engine/detail/stop_gate.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/buffers.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/detail/rdma_state.hpp>
@@ -25,29 +26,7 @@
 
 namespace ringverbs {
 
-// Local memory a request reads or writes: a span inside a registered memory region.
-struct local_buffer {
-    void* addr = nullptr;
-    std::uint32_t length = 0;
-    std::uint32_t lkey = 0;
-
-    local_buffer() = default;
-    local_buffer(const verbs::memory_region& mr, std::span<std::byte> s) noexcept
-        : addr(s.data()), length(static_cast<std::uint32_t>(s.size())), lkey(mr.native()->lkey) {}
-    // Data for an inline send: copied at post time, needs no memory region.
-    static local_buffer inline_data(std::span<const std::byte> s) noexcept {
-        local_buffer b;
-        b.addr = const_cast<std::byte*>(s.data());
-        b.length = static_cast<std::uint32_t>(s.size());
-        return b;
-    }
-};
-
-// Remote memory of the peer (its address and rkey, exchanged out of band).
-struct remote_buffer {
-    std::uint64_t addr = 0;
-    std::uint32_t rkey = 0;
-};
+class srq;
 
 struct send_options {
     std::optional<std::uint32_t> imm = {}; // immediate data (SEND_WITH_IMM / WRITE_WITH_IMM)
@@ -91,6 +70,9 @@ struct qp_options {
     // error flushes all of them at once and overruns it (IBV_EVENT_CQ_ERR, completions lost).
     // By default making such a qp throws EINVAL naming both numbers; true allows it.
     bool allow_cq_overcommit = false;
+    // Receives from this shared receive queue (srq.hpp) instead of its own receive queue: the
+    // qp's recv() and post_recv() then fail with EINVAL. The srq lives while the qp does.
+    srq* shared_receive_queue = nullptr;
 };
 
 namespace detail {
@@ -206,6 +188,7 @@ class qp {
     close_awaitable close(wait_options w = {}) noexcept;
 
   private:
+    static std::shared_ptr<detail::srq_state> shared_state(const qp_options& o);
     std::shared_ptr<detail::qp_state> state_;
 };
 

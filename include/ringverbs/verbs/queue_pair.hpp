@@ -78,8 +78,11 @@ class queue_pair {
     // Creates an RC QP in RESET state. With sq_sig_all every send produces a completion;
     // otherwise only sends flagged IBV_SEND_SIGNALED do. Throws std::system_error naming
     // ibv_create_qp (EINVAL for caps beyond the device limits, ENOMEM when out of QPs).
+    // With `srq`, receives come from that shared receive queue (the caps' receive sizes are
+    // then ignored) and the QP takes no ibv_post_recv.
     queue_pair(const protection_domain& pd, const completion_queue& send_cq,
-               const completion_queue& recv_cq, const qp_caps& caps = {}, bool sq_sig_all = false);
+               const completion_queue& recv_cq, const qp_caps& caps = {}, bool sq_sig_all = false,
+               ibv_srq* srq = nullptr);
 
     // Adopts an RC QP created elsewhere (rdma_create_qp, whose QP must be destroyed with
     // rdma_destroy_qp): `owned`'s deleter destroys it and holds whatever the QP needs alive (its

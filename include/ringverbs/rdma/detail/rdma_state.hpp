@@ -148,6 +148,8 @@ struct cq_state {
     void fail_waiters(int err) noexcept;
 };
 
+struct srq_state;
+
 struct qp_state {
     // The wr_id of the signaled request posted every signal_interval unsignaled ones. Each
     // such request is owed a completion like an awaited one: counted in pending_count, the
@@ -162,6 +164,9 @@ struct qp_state {
 
     std::shared_ptr<cq_state> send_cq;
     std::shared_ptr<cq_state> recv_cq;
+    // Receives come from this SRQ (or null). Declared before qp: destroyed after it
+    // (ibv_destroy_srq refuses while a QP uses the SRQ).
+    std::shared_ptr<srq_state> srq;
     verbs::queue_pair qp;
     wr_op* pending = nullptr; // requests owed a completion (intrusive list)
     std::size_t pending_count = 0;
@@ -199,10 +204,11 @@ struct qp_state {
     // `flush_timeout`: see qp_options. `overcommit`: allow the QPs on a CQ to hold more
     // requests than the CQ has entries (else EINVAL).
     qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
-             std::shared_ptr<cq_state> rcq, const verbs::qp_caps& caps,
-             std::chrono::nanoseconds flush_timeout, bool overcommit);
-    // A QP created elsewhere on these CQs (rdma_create_qp for a cm_id).
-    qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq, verbs::queue_pair q,
+             std::shared_ptr<cq_state> rcq, std::shared_ptr<srq_state> srq,
+             const verbs::qp_caps& caps, std::chrono::nanoseconds flush_timeout, bool overcommit);
+    // A QP created elsewhere on these CQs (rdma_create_qp for a cm_id), and on `srq` if any.
+    qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
+             std::shared_ptr<srq_state> srq, verbs::queue_pair q,
              std::chrono::nanoseconds flush_timeout, bool overcommit);
     ~qp_state();
     qp_state(const qp_state&) = delete;

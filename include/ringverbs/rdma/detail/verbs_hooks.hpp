@@ -16,6 +16,7 @@ struct verbs_hooks {
     int (*poll_cq)(ibv_cq* cq, int n, ibv_wc* wc) noexcept;
     int (*post_send)(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept;
     int (*post_recv)(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept;
+    int (*post_srq_recv)(ibv_srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept;
     int (*req_notify_cq)(ibv_cq* cq, int solicited_only) noexcept;
     // 0, or -1 with errno set, like ibv_get_cq_event.
     int (*get_cq_event)(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) noexcept;

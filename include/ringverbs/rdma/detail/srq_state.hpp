@@ -1,0 +1,54 @@
+// The runtime's state behind srq. Shared by the srq handle and every qp_state receiving from
+// it, so that the handles may go in any order: the SRQ is destroyed (ibv_destroy_srq refuses
+// while a QP uses it) when the last of them is gone.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/engine/detail/waiter.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
+#include <ringverbs/verbs/protection_domain.hpp>
+
+#include <infiniband/verbs.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace ringverbs::detail {
+
+struct srq_state {
+    io_context* ctx;
+    std::shared_ptr<ibv_srq> srq; // ibv_destroy_srq; keeps its PD
+    std::uint32_t max_wr = 0;     // as granted by the device
+    // Per-request receives (srq::recv) owed a completion. A posted SRQ receive cannot be
+    // recalled, and a QP error flushes only what its QP had taken: they end by their
+    // completion, or when the state goes (made-up IBV_WC_WR_FLUSH_ERR).
+    wr_op* pending = nullptr;
+    std::size_t pending_count = 0;
+    // The receive CQs of the QPs that used this SRQ: polled once more when the state goes, so
+    // that a completion the device delivered before its QP was destroyed still reaches its
+    // awaiter and none arrives after the made-up flush.
+    std::vector<std::shared_ptr<cq_state>> recv_cqs;
+    waiter_queue low_water_waiters; // srq::low_water(): IBV_EVENT_SRQ_LIMIT_REACHED
+    std::uint64_t limit_events = 0;
+    int error = 0; // EIO after IBV_EVENT_SRQ_ERR: receives can no longer be relied on
+
+    srq_state(io_context& c, const verbs::protection_domain& pd, std::uint32_t max_wr,
+              std::uint32_t max_sge);
+    ~srq_state();
+    srq_state(const srq_state&) = delete;
+    srq_state& operator=(const srq_state&) = delete;
+
+    void link(wr_op* op) noexcept;
+    void unlink(wr_op* op) noexcept;
+    // A QP receiving from this SRQ was made with `recv_cq`.
+    void attach(const std::shared_ptr<cq_state>& recv_cq);
+    // From device_events (the async event's routing).
+    void limit_reached() noexcept;
+    void failed() noexcept;
+};
+
+} // namespace ringverbs::detail

@@ -1,0 +1,162 @@
+#include <ringverbs/rdma/srq.hpp>
+
+#include <ringverbs/engine/error.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/verb_error.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <string>
+
+namespace ringverbs {
+
+namespace detail {
+
+srq_state::srq_state(io_context& c, const verbs::protection_domain& pd, std::uint32_t wr,
+                     std::uint32_t sge)
+    : ctx(&c) {
+    ibv_srq_init_attr init{};
+    init.attr.max_wr = wr;
+    init.attr.max_sge = sge;
+    errno = 0;
+    ibv_srq* raw = ibv_create_srq(pd.native(), &init);
+    if (raw == nullptr)
+        throw_system_error(verbs::errno_or_eio(errno), "ibv_create_srq(max_wr " +
+                                                           std::to_string(wr) + ", max_sge " +
+                                                           std::to_string(sge) + ")");
+    srq =
+        std::shared_ptr<ibv_srq>(raw, [pd_keep = pd.handle()](ibv_srq* s) { ibv_destroy_srq(s); });
+    max_wr = init.attr.max_wr;  // what the device granted
+    register_object(raw, this); // for device_events' routing
+}
+
+srq_state::~srq_state() {
+    unregister_object(srq.get());
+    // Every QP on this SRQ is gone: what their receive CQs still hold is the last that can
+    // name our receives.
+    for (auto& c : recv_cqs)
+        c->channel->drain_cq(*c);
+    while (pending) {
+        ibv_wc wc{};
+        wc.status = IBV_WC_WR_FLUSH_ERR;
+        wr_op* op = pending;
+        op->on_wc(op, wc, true);
+    }
+    while (waiter* w = low_water_waiters.pop_front())
+        w->fulfil(ECANCELED);
+}
+
+void srq_state::link(wr_op* op) noexcept {
+    op->prev = nullptr;
+    op->next = pending;
+    if (pending) pending->prev = op;
+    pending = op;
+    ++pending_count;
+}
+
+void srq_state::unlink(wr_op* op) noexcept {
+    if (op->prev)
+        op->prev->next = op->next;
+    else
+        pending = op->next;
+    if (op->next) op->next->prev = op->prev;
+    op->prev = op->next = nullptr;
+    --pending_count;
+}
+
+void srq_state::attach(const std::shared_ptr<cq_state>& recv_cq) {
+    if (std::find(recv_cqs.begin(), recv_cqs.end(), recv_cq) == recv_cqs.end())
+        recv_cqs.push_back(recv_cq);
+}
+
+void srq_state::limit_reached() noexcept {
+    ++limit_events;
+    while (waiter* w = low_water_waiters.pop_front())
+        w->fulfil(0);
+}
+
+void srq_state::failed() noexcept {
+    error = EIO;
+    while (waiter* w = low_water_waiters.pop_front())
+        w->fulfil(EIO);
+}
+
+} // namespace detail
+
+srq::srq(io_context& ctx, const verbs::protection_domain& pd, srq_options o)
+    : state_(std::make_shared<detail::srq_state>(ctx, pd, o.max_wr, o.max_sge)) {}
+
+srq::~srq() = default;
+
+srq::request srq::recv(local_buffer into) noexcept {
+    return {state_.get(), into};
+}
+
+void srq::post_recv(local_buffer into, std::uint64_t wr_id) {
+    if ((wr_id & detail::wr_tag_ours) != 0)
+        throw_system_error(EINVAL, "srq::post_recv: wr_ids with the top bit set are ringverbs'");
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(into.addr), into.length, into.lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr, &bad); rc != 0)
+        throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv");
+}
+
+srq::low_water_awaitable srq::low_water(std::uint32_t n, wait_options w) noexcept {
+    return {state_.get(), n, std::move(w)};
+}
+
+srq::request::request(detail::srq_state* state, local_buffer into) noexcept
+    : state_(state), ctx_(state->ctx) {
+    on_wc = &request::completed;
+    sge_ = ibv_sge{reinterpret_cast<std::uintptr_t>(into.addr), into.length, into.lkey};
+    wr_.wr_id = detail::wr_id_for(this, true);
+    wr_.sg_list = &sge_;
+    wr_.num_sge = 1;
+}
+
+void srq::request::await_suspend(std::coroutine_handle<> h) {
+    ibv_recv_wr* bad = nullptr;
+    if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr_, &bad); rc != 0)
+        throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv"); // nothing posted
+    state_->link(this);
+    // No deadline, no stop: a posted SRQ receive cannot be recalled (see srq).
+    begin_wait(*ctx_, wait_options{}, nullptr, h, &request::never_interrupted);
+}
+
+void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
+    auto* self = static_cast<request*>(op);
+    self->result_ = wc;
+    self->state_->unlink(self);
+    self->decide(0);
+}
+
+ibv_wc srq::request::await_resume() {
+    finish_wait();
+    if (result_.status != IBV_WC_SUCCESS) throw completion_error(result_, "ibv_post_srq_recv");
+    return result_;
+}
+
+void srq::low_water_awaitable::await_suspend(std::coroutine_handle<> h) {
+    ibv_srq_attr attr{};
+    attr.srq_limit = below_;
+    if (const int rc = ibv_modify_srq(state_->srq.get(), &attr, IBV_SRQ_LIMIT); rc != 0)
+        throw_system_error(verbs::verb_errno(rc),
+                           "ibv_modify_srq(srq_limit " + std::to_string(below_) + ")");
+    state_->low_water_waiters.push_back(this);
+    start(*state_->ctx, options_, h, &state_->low_water_waiters, &detail::waiter_queue::detach);
+}
+
+void srq::low_water_awaitable::await_resume() {
+    // Decided: the outcome is in this object (the srq may be gone). Not decided: ready at
+    // once, the srq had failed.
+    const int err = decided() ? error() : state_->error;
+    if (err != 0) throw_system_error(err, "srq::low_water");
+}
+
+} // namespace ringverbs

@@ -1,0 +1,227 @@
+#include "rdma_fixture.hpp"
+
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/device_events.hpp>
+#include <ringverbs/rdma/srq.hpp>
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <vector>
+
+using namespace rt;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr std::uint32_t message_size = 64;
+
+// Two senders a1, a2, each connected to a receiver (b1, b2) that takes its receives from one
+// shared receive queue; the receivers share a receive CQ large enough for the SRQ.
+struct shared_pair {
+    channel ch;
+    cq senders_cq;
+    cq receivers_cq;
+    srq shared;
+    std::unique_ptr<qp> a1, a2, b1, b2;
+    shared_pair(device& d, io_context& io, srq_options o = {})
+        : ch(io, d.ctx), senders_cq(ch), receivers_cq(ch, cq_options{.entries = 4096}),
+          shared(io, d.pd, o) {
+        const verbs::qp_caps caps{.max_send_wr = 64,
+                                  .max_recv_wr = 16,
+                                  .max_send_sge = 1,
+                                  .max_recv_sge = 1,
+                                  .max_inline_data = 64};
+        const qp_options on_srq{.shared_receive_queue = &shared};
+        a1 = std::make_unique<qp>(d.pd, senders_cq, senders_cq, caps);
+        a2 = std::make_unique<qp>(d.pd, senders_cq, senders_cq, caps);
+        b1 = std::make_unique<qp>(d.pd, receivers_cq, receivers_cq, caps, on_srq);
+        b2 = std::make_unique<qp>(d.pd, receivers_cq, receivers_cq, caps, on_srq);
+        verbs::connect_loopback(a1->native_qp(), b1->native_qp(), rdma_device().port,
+                                rdma_device().gid_index, all_remote);
+        verbs::connect_loopback(a2->native_qp(), b2->native_qp(), rdma_device().port,
+                                rdma_device().gid_index, all_remote);
+    }
+};
+
+// Message k: its number in the first 4 bytes, then a pattern of it.
+void stamp(std::span<std::byte> s, std::uint32_t k) {
+    fill(s, k);
+    std::memcpy(s.data(), &k, sizeof k);
+}
+std::uint32_t number_of(std::span<const std::byte> s) {
+    std::uint32_t k = 0;
+    std::memcpy(&k, s.data(), sizeof k);
+    return k;
+}
+bool intact(std::span<const std::byte> s) {
+    std::vector<std::byte> want(s.size());
+    stamp(want, number_of(s));
+    return std::memcmp(want.data(), s.data(), s.size()) == 0;
+}
+
+} // namespace
+
+TEST_CASE("srq: two QPs receive from one shared queue; each per-request receive gets one "
+          "message, and its completion names the QP that took it") {
+    device dev;
+    io_context io;
+    shared_pair p(dev, io);
+    constexpr std::uint32_t per_sender = 8, receives = 2 * per_sender;
+    region in(dev.pd, receives * message_size), out(dev.pd, receives * message_size);
+    std::vector<ibv_wc> got(receives);
+    std::vector<task<void>> work;
+    for (std::uint32_t i = 0; i < receives; ++i)
+        work.push_back([](srq& s, local_buffer into, ibv_wc& wc) -> task<void> {
+            wc = co_await s.recv(into);
+        }(p.shared, in.local(i * message_size, message_size), got[i]));
+    for (std::uint32_t k = 0; k < receives; ++k) {
+        stamp(std::span(out.bytes).subspan(k * message_size, message_size), k);
+        qp& sender = k < per_sender ? *p.a1 : *p.a2;
+        work.push_back([](qp& q, local_buffer data) -> task<void> {
+            ibv_wc wc = co_await q.send(data);
+            (void)wc;
+        }(sender, out.local(k * message_size, message_size)));
+    }
+    io.run(when_all(std::move(work))); // the receives are posted first: when_all starts in order
+    std::set<std::uint32_t> numbers;
+    std::map<std::uint32_t, int> by_qp;
+    for (std::uint32_t i = 0; i < receives; ++i) {
+        CHECK(got[i].status == IBV_WC_SUCCESS);
+        CHECK(got[i].byte_len == message_size);
+        auto bytes = std::span(in.bytes).subspan(i * message_size, message_size);
+        CHECK(intact(bytes));
+        numbers.insert(number_of(bytes));
+        ++by_qp[got[i].qp_num];
+        // Messages 0..7 came through b1, 8..15 through b2.
+        CHECK(got[i].qp_num == (number_of(bytes) < per_sender ? p.b1->qp_num() : p.b2->qp_num()));
+    }
+    CHECK(numbers.size() == receives);
+    CHECK(by_qp[p.b1->qp_num()] == int{per_sender});
+    CHECK(by_qp[p.b2->qp_num()] == int{per_sender});
+    CHECK(p.shared.pending() == 0);
+}
+
+TEST_CASE("srq: a pool posted with post_recv completes through cq::next(), naming its QP and "
+          "wr_id; a qp on an srq refuses its own recv()") {
+    device dev;
+    io_context io;
+    shared_pair p(dev, io);
+    constexpr std::uint32_t slots = 6;
+    region in(dev.pd, slots * message_size), out(dev.pd, message_size);
+    for (std::uint32_t i = 0; i < slots; ++i)
+        p.shared.post_recv(in.local(i * message_size, message_size), 1000 + i);
+    CHECK_THROWS_AS(p.shared.post_recv(in.local(0, 8), std::uint64_t{1} << 63), std::system_error);
+
+    auto own_recv = [&]() -> task<int> {
+        try {
+            ibv_wc wc = co_await p.b1->recv(in.local(0, 8));
+            (void)wc;
+        } catch (const std::system_error& e) {
+            co_return e.code().value();
+        }
+        co_return 0;
+    };
+    CHECK(io.run(own_recv()) == EINVAL);
+
+    stamp(out.bytes, 77);
+    auto exchange = [&]() -> task<std::vector<ibv_wc>> {
+        std::vector<ibv_wc> seen;
+        ibv_wc s1 = co_await p.a1->send(out.all());
+        ibv_wc s2 = co_await p.a2->send(out.all());
+        (void)s1;
+        (void)s2;
+        for (int i = 0; i < 2; ++i)
+            seen.push_back(co_await p.receivers_cq.next(wait_options(10s)));
+        co_return seen;
+    };
+    const std::vector<ibv_wc> seen = io.run(exchange());
+    REQUIRE(seen.size() == 2);
+    std::set<std::uint32_t> qps;
+    for (const ibv_wc& wc : seen) {
+        CHECK(wc.status == IBV_WC_SUCCESS);
+        CHECK(wc.opcode == IBV_WC_RECV);
+        CHECK(wc.wr_id >= 1000);
+        CHECK(wc.wr_id < 1000 + slots);
+        CHECK(intact(std::span(in.bytes).subspan((wc.wr_id - 1000) * message_size, message_size)));
+        qps.insert(wc.qp_num);
+    }
+    CHECK(qps == std::set<std::uint32_t>{p.b1->qp_num(), p.b2->qp_num()});
+}
+
+TEST_CASE("srq: low_water(n) sleeps until fewer than n receives are left posted "
+          "(IBV_EVENT_SRQ_LIMIT_REACHED through device_events), then a refill goes on") {
+    device dev;
+    io_context io;
+    device_events events(io, dev.ctx);
+    shared_pair p(dev, io);
+    constexpr std::uint32_t slots = 8, low = 4;
+    region in(dev.pd, slots * message_size), out(dev.pd, message_size);
+    for (std::uint32_t i = 0; i < slots; ++i)
+        p.shared.post_recv(in.local(i * message_size, message_size), i);
+    stamp(out.bytes, 5);
+    int sent_before_low_water = -1;
+    int sent = 0;
+    auto refiller = [&]() -> task<void> {
+        co_await p.shared.low_water(low, wait_options(20s));
+        sent_before_low_water = sent;
+        // Refill what was taken (the pool's completions say which).
+        for (int i = 0; i < sent; ++i) {
+            ibv_wc wc = co_await p.receivers_cq.next(wait_options(10s));
+            CHECK(wc.status == IBV_WC_SUCCESS);
+            p.shared.post_recv(in.local(wc.wr_id * message_size, message_size), wc.wr_id);
+        }
+    };
+    auto sender = [&]() -> task<void> {
+        // One at a time: the event must come once fewer than `low` are posted, not before.
+        while (sent_before_low_water < 0 && sent < int{slots}) {
+            ibv_wc wc = co_await p.a1->send(out.all());
+            (void)wc;
+            ++sent;
+            co_await sleep_for(io, 20ms); // the event's path: async fd, ring, routing
+        }
+    };
+    io.run(when_all(refiller(), sender()));
+    CHECK(p.shared.limit_events() == 1);
+    // 8 posted, the limit at 4: the 5th receive taken leaves 3.
+    CHECK(sent_before_low_water == int{slots - low + 1});
+    MESSAGE("low_water(" << low << ") resumed after " << sent_before_low_water << " of " << slots
+                         << " receives were taken");
+}
+
+TEST_CASE("srq: the QPs go, then the srq handle: a receive still owed ends with a flush when the "
+          "last of them goes, not before") {
+    device dev;
+    io_context io;
+    auto p = std::make_unique<shared_pair>(dev, io);
+    region in(dev.pd, message_size);
+    std::optional<ibv_wc_status> ended;
+    auto receiver = [&]() -> task<void> {
+        try {
+            ibv_wc wc = co_await p->shared.recv(in.all());
+            ended = wc.status;
+        } catch (const completion_error& e) {
+            ended = e.status();
+        }
+    };
+    auto teardown = [&]() -> task<void> {
+        co_await sleep_for(io, 10ms); // the receive is posted and owed
+        CHECK(p->shared.pending() == 1);
+        p->b1.reset();
+        p->b2.reset();
+        co_await sleep_for(io, 10ms);
+        CHECK(!ended.has_value()); // the srq handle still holds the state
+        p.reset();                 // the srq handle (and the rest) go: the receive is flushed
+    };
+    io.run(when_all(receiver(), teardown()));
+    REQUIRE(ended.has_value());
+    CHECK(*ended == IBV_WC_WR_FLUSH_ERR);
+}
