@@ -160,6 +160,14 @@ task<void> connection(client& cl, int number) {
     try {
         auto data = co_await id.connect({}, wait_options(10s));
         if (data.size() >= sizeof hello) std::memcpy(&hello, data.data(), sizeof hello);
+    } catch (const connection_rejected& e) {
+        // The server's reason, in the reject's private data (e.g. "busy: 4 connections, the
+        // server's limit"); without one, the transport's reason.
+        const std::string why = echo::reject_reason(e.private_data());
+        throw std::runtime_error("cannot connect to " + where + ": " +
+                                 (e.by_peer_application() && !why.empty()
+                                      ? "the server rejected the connection: " + why
+                                      : std::string(e.what())));
     } catch (const std::system_error& e) {
         throw std::runtime_error("cannot connect to " + where + ": " + e.what());
     }

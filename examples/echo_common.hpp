@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/signalfd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <stdexcept>
 #include <stop_token>
 #include <string>
+#include <vector>
 
 namespace echo {
 
@@ -141,5 +143,24 @@ struct server_hello {
     std::uint32_t max_size = 0; // bytes of each posted receive
     std::uint32_t depth = 0;    // receives posted per connection
 };
+
+// The private data of the server's reject: why, as a short text (e.g. "busy: 4 connections, the
+// server's limit"), at most 148 bytes on RoCE.
+inline std::vector<std::byte> reject_data(const std::string& why) {
+    const auto text = std::as_bytes(std::span(why.data(), std::min<std::size_t>(why.size(), 148)));
+    return {text.begin(), text.end()};
+}
+
+// The text of a reject's private data: its printable bytes up to the first NUL (IB CM pads it
+// with zeros); empty when there is none (a reject by the peer's CM, or one without a reason).
+inline std::string reject_reason(std::span<const std::byte> data) {
+    std::string why;
+    for (std::byte b : data) {
+        const auto c = static_cast<unsigned char>(b);
+        if (c == 0) break;
+        why += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
+    }
+    return why;
+}
 
 } // namespace echo

@@ -2,7 +2,7 @@
 // io_context: rdma_cm events, completions and signals all arrive through its io_uring ring.
 //
 //   echo_server [--address IP] [--port N] [--device NAME] [--max-size BYTES] [--depth N]
-//               [--mode events|hybrid|busy]
+//               [--mode events|hybrid|busy] [--max-connections N] [--idle-timeout SECONDS]
 //
 // Each connection gets its own CQ, QP and a registered pool of --depth buffers of --max-size
 // bytes, all posted as receives before the connection is accepted. Each buffer has its own
@@ -11,9 +11,11 @@
 //   ibv_wc received = co_await qp.recv(buffer);  // resumes on this receive's own completion
 //   co_await qp.send(message);                   // (its byte_len bytes) and on this send's
 //
-// A connection that fails (the client vanished, sent more than --max-size, ...) is closed and
-// its resources released; the others go on. SIGINT or SIGTERM closes every connection and
-// exits 0.
+// A connection that fails (the client vanished, sent more than --max-size, ...) or stays
+// silent for --idle-timeout seconds is closed and its resources released; the others go on.
+// Beyond --max-connections open connections, a request is rejected with the reason in the
+// reject's private data ("busy: ..."), before anything is allocated for it. SIGINT or SIGTERM
+// closes every connection and exits 0.
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
@@ -27,6 +29,7 @@
 #include <arpa/inet.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -40,13 +43,18 @@ namespace {
 
 const char* const usage =
     "usage: echo_server [--address IP] [--port N] [--device NAME] [--max-size BYTES] [--depth N]\n"
-    "                   [--mode events|hybrid|busy]\n"
+    "                   [--mode events|hybrid|busy] [--max-connections N]\n"
+    "                   [--idle-timeout SECONDS]\n"
     "  --address   IPv4 or IPv6 address to listen on (default 0.0.0.0: every RDMA device)\n"
     "  --port      port (default 18515)\n"
     "  --device    serve only connections arriving on this RDMA device (default: any)\n"
     "  --max-size  largest message taken, the size of each posted receive (default 4096)\n"
     "  --depth     receives posted per connection (default 64)\n"
-    "  --mode      how the completion channel waits (default events)\n";
+    "  --mode      how the completion channel waits (default events)\n"
+    "  --max-connections  connections open at once; beyond, requests are rejected with the\n"
+    "              reason \"busy: N connections\" (default 1024; 0: no limit)\n"
+    "  --idle-timeout  close a connection that sent no message for this many seconds\n"
+    "              (default 60; 0: never)\n";
 
 struct server_options {
     std::string address = "0.0.0.0";
@@ -55,6 +63,8 @@ struct server_options {
     std::uint32_t max_size = echo::default_max_size;
     std::uint32_t depth = 64;
     polling_mode mode = polling_mode::events;
+    std::uint32_t max_connections = 1024; // 0: no limit
+    std::uint32_t idle_timeout = 60;      // seconds; 0: never
 };
 
 // What connections of one device share: its protection domain, completion channel, and the
@@ -79,7 +89,8 @@ struct echo_server {
     cm_channel cm{io};
     std::map<ibv_context*, std::unique_ptr<device_resources>> devices;
     std::stop_source stopping;
-    int open = 0, served = 0;              // connections
+    int open = 0, served = 0;              // connections (open: admitted, resources not yet freed)
+    std::uint64_t rejected = 0;            // requests rejected as over --max-connections
     std::uint64_t messages = 0, bytes = 0; // echoed by the connections closed so far
 };
 
@@ -106,6 +117,8 @@ class connection {
 
     task<void> accept();
     task<void> echo_loop(std::uint32_t slot);
+    task<void> watch_idle();
+    task<void> watch_disconnect();
     task<void> close(std::string why);
     task<void> disconnect();
     std::string failure(request failed, ibv_wc_status status) const;
@@ -122,6 +135,8 @@ class connection {
     summary summary_;
     bool accepted_ = false;
     bool closing_ = false;
+    std::stop_source ending_; // requested by close(): ends the idle and disconnect watches
+    std::chrono::steady_clock::time_point last_message_ = std::chrono::steady_clock::now();
     std::size_t never_flushed_ = 0; // requests the device never flushed after the close
 };
 
@@ -136,6 +151,8 @@ task<summary> connection::serve() {
     std::vector<task<void>> work;
     for (std::uint32_t slot = 0; slot < depth_; ++slot)
         work.push_back(echo_loop(slot));
+    work.push_back(watch_idle());
+    work.push_back(watch_disconnect());
     // Last: when_all starts its tasks in order, each up to its first co_await, so every
     // buffer's receive is posted before the client may send.
     work.push_back(accept());
@@ -174,6 +191,7 @@ task<void> connection::echo_loop(std::uint32_t slot) {
             const ibv_wc received = co_await qp_.recv(buffer(slot, max_size_),
                                                       wait_options(server_.stopping.get_token()));
             if (closing_) break;
+            last_message_ = std::chrono::steady_clock::now();
             current = request::echo_send;
             co_await qp_.send(buffer(slot, received.byte_len));
             ++summary_.messages;
@@ -187,6 +205,39 @@ task<void> connection::echo_loop(std::uint32_t slot) {
         why = e.what(); // ibv_post_*, named with its errno; or cancelled by the server's stop
     }
     co_await close(std::move(why));
+}
+
+// --idle-timeout: closes the connection once no message arrived for that long (counted from
+// the last message received, or from the request before the first).
+task<void> connection::watch_idle() {
+    const std::chrono::seconds limit(server_.options.idle_timeout);
+    if (limit.count() == 0) co_return;
+    while (!closing_) {
+        const auto quiet = std::chrono::steady_clock::now() - last_message_;
+        if (quiet >= limit) break;
+        bool ended = false;
+        try {
+            co_await sleep_for(server_.io, limit - quiet, ending_.get_token());
+        } catch (const std::system_error&) {
+            ended = true; // closed for another reason (a co_await may not be in a handler)
+        }
+        if (ended) co_return;
+    }
+    co_await close("idle: no message for " + std::to_string(limit.count()) + " s (--idle-timeout " +
+                   std::to_string(limit.count()) + ")");
+}
+
+// Awaits the client's disconnect (DREQ, or its CM gone) alongside the completions: the QP is
+// then in the error state, but only close() arms the bound on its flushes (to_error), so a
+// DREQ whose flushes never come still closes the connection, within flush_timeout.
+task<void> connection::watch_disconnect() {
+    bool gone = true;
+    try {
+        co_await id_.disconnected(wait_options(ending_.get_token()));
+    } catch (const std::system_error&) {
+        gone = false; // closed for another reason first (operation_canceled)
+    }
+    if (gone) co_await close("the client disconnected");
 }
 
 // What a failed completion says about the connection.
@@ -208,6 +259,7 @@ std::string connection::failure(request failed, ibv_wc_status status) const {
 task<void> connection::close(std::string why) {
     if (closing_) co_return;
     closing_ = true;
+    ending_.request_stop();
     summary_.why =
         server_.stopping.stop_requested() ? "the server is shutting down" : std::move(why);
     if (accepted_) co_await disconnect();
@@ -234,8 +286,7 @@ local_buffer connection::buffer(std::uint32_t slot, std::uint32_t length) {
 // Serves one connection from its accept to its log line.
 task<void> serve(echo_server& server, device_resources& device, cm_id id, int number) {
     const std::string peer = echo::text_of(rdma_get_peer_addr(id.native()));
-    ++server.open;
-    summary result;
+    summary result; // (server.open was counted by the accept loop, which admitted it)
     try {
         connection client(server, device, std::move(id));
         result = co_await client.serve();
@@ -282,7 +333,16 @@ device_resources& resources_for(echo_server& server, verbs::context context) {
     return *resources;
 }
 
+// The accept backlog stays bounded. The kernel holds at most the listen backlog (128, given to
+// rdma_listen) of requests that this process has not read yet, and refuses the rest. The
+// runtime's cm channel reads every pending event at once into the listener's queue, from
+// which this loop takes each request at its next turn: the loop awaits nothing but accept()
+// (reject, resources_for and spawn do not suspend), so that queue holds at most one read's
+// worth. A request is answered at once: admitted (its connection is spawned, and counted in
+// server.open until its resources are released), or rejected when --max-connections are open.
+// Nothing waits in a queue of ours for a connection to close.
 task<void> accept_loop(echo_server& server, cm_id& listener) {
+    const std::uint32_t limit = server.options.max_connections;
     for (int number = 1;; ++number) {
         std::optional<cm_id> request;
         try {
@@ -296,9 +356,27 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
         }
         verbs::context device = request->device();
         if (!server.options.device.empty() && device.name() != server.options.device) {
-            request->reject();
+            request->reject(
+                echo::reject_data("not served on device " + std::string(device.name())));
             continue;
         }
+        if (limit != 0 && server.open >= static_cast<int>(limit)) {
+            const std::string why =
+                "busy: " + std::to_string(limit) + " connections, the server's limit";
+            ++server.rejected;
+            std::printf("echo_server: request from %s rejected (%s; --max-connections %u)\n",
+                        echo::text_of(rdma_get_peer_addr(request->native())).c_str(), why.c_str(),
+                        limit);
+            std::fflush(stdout);
+            try {
+                request->reject(echo::reject_data(why));
+            } catch (const std::exception& e) {
+                std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
+            }
+            --number;
+            continue;
+        }
+        ++server.open;
         server.io.spawn(
             serve(server, resources_for(server, std::move(device)), std::move(*request), number));
     }
@@ -335,6 +413,12 @@ server_options parse(int argc, char** argv) {
             options.depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 4096));
         else if (flag == "--mode")
             options.mode = echo::mode_of(value);
+        else if (flag == "--max-connections")
+            options.max_connections =
+                static_cast<std::uint32_t>(echo::number(flag, value, 0, 1u << 20));
+        else if (flag == "--idle-timeout")
+            options.idle_timeout =
+                static_cast<std::uint32_t>(echo::number(flag, value, 0, 1u << 30));
         else
             throw echo::usage_error("unknown option " + flag);
     }
@@ -354,10 +438,14 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     // Bound to one device's address: its PD and channel now, so the first client waits less.
     if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
     const server_options& options = server.options;
+    const std::string most =
+        options.max_connections ? std::to_string(options.max_connections) : "no limit";
+    const std::string idle =
+        options.idle_timeout ? std::to_string(options.idle_timeout) + " s" : "never";
     std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per "
-                "connection, %s mode)\n",
+                "connection, %s mode; connections at most %s, closed when idle %s)\n",
                 echo::text_of(at).c_str(), options.max_size, options.depth,
-                echo::mode_name(options.mode));
+                echo::mode_name(options.mode), most.c_str(), idle.c_str());
     std::fflush(stdout);
     return listener;
 }
@@ -380,9 +468,11 @@ int main(int argc, char** argv) {
         io.run(); // until a signal: the accept loop, then every connection, then the signal watch
                   // end
         std::printf(
-            "echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed\n",
+            "echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed, "
+            "%llu request(s) rejected as busy\n",
             server.served, static_cast<unsigned long long>(server.messages),
-            static_cast<unsigned long long>(server.bytes));
+            static_cast<unsigned long long>(server.bytes),
+            static_cast<unsigned long long>(server.rejected));
         ::close(signals);
         return 0;
     } catch (const std::exception& e) {

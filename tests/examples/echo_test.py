@@ -263,6 +263,78 @@ def case_server_shutdown():
     check(rc == 1 and out.count("the server closed the connection after") == 3, f"client told ({rc})")
 
 
+def case_max_connections():
+    """--max-connections 4: of 8 clients at once 4 are served and 4 rejected with the server's
+    reason; with 4 held open, more attempts are rejected, no resources made for them; the server
+    goes on serving."""
+    s = Server(19009, "--max-connections", "4")
+    busy = "the server rejected the connection: busy: 4 connections, the server's limit"
+    try:
+        # 8 connections in one process, long enough that none ends before the last request.
+        rc, out, err = client(s.port, "--clients", "8", "--count", "5000")
+        print(out + err, end="")
+        check(rc == 1, f"8 clients against 4: exit {rc}")
+        check(err.count(busy) == 4, f"4 connections rejected with the reason ({err.count(busy)})")
+        got, want, _ = verified(out)
+        check(got == 4 * 5000 and want == 8 * 5000, f"4 connections served: {got} of {want} verified")
+        s.wait_for(r"request from \S+ rejected \(busy: 4 connections", 30, count=4)
+        s.wait_for(r"closed \(the client disconnected", 60, count=4)
+        wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the server's QPs all destroyed")
+        # 4 held open, then 3 more attempts.
+        held = start_client(s.port, "--count", "100000000", "--inflight", "2", "--clients", "4")
+        wait_until(lambda: s.rdma_objects("qp") == 4, 30,
+                   lambda: f"4 connections open ({s.rdma_objects('qp')} QPs); client:\n{text_of(held)}")
+        rc, out, err = client(s.port, "--clients", "3", "--count", "10")
+        print(err, end="")
+        check(rc == 1 and err.count(busy) == 3, f"3 more attempts rejected with the reason ({rc})")
+        s.wait_for(r"rejected \(busy: 4 connections", 30, count=7)
+        check(s.rdma_objects("qp") == 4, f"nothing made for the rejected ({s.rdma_objects('qp')} QPs)")
+        check(held.poll() is None, "the held connections go on")
+        held.send_signal(signal.SIGINT)
+        rc = held.wait(60)
+        check(rc == 130, f"held client exit {rc}:\n{text_of(held)}")
+        s.wait_for(r"closed \(the client disconnected", 60, count=8)
+        # Slots are free again once the connections' resources are released.
+        wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the held connections' QPs destroyed")
+        rc, out, err = client(s.port, "--clients", "4", "--count", "500")
+        check(rc == 0 and verified(out)[0] == 2000, f"the server serves 4 again ({rc}):\n{out}{err}")
+    finally:
+        check(s.stop() == 0, "server exit status")
+    check("7 request(s) rejected as busy" in s.text(), "server summary counts the rejects")
+
+
+def case_idle_timeout():
+    """--idle-timeout 2: a client frozen mid-stream (SIGSTOP) is dropped with the reason in the
+    server's log, and after SIGCONT says the server closed the connection; a busy client is not."""
+    s = Server(19010, "--idle-timeout", "2")
+    try:
+        frozen = start_client(s.port, "--count", "100000000", "--inflight", "2")
+        wait_until(lambda: s.rdma_objects("qp") == 1, 30, lambda: f"connected; client:\n{text_of(frozen)}")
+        time.sleep(0.5)  # mid-stream
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            s.wait_for(r"closed \(idle: no message for 2 s \(--idle-timeout 2\)\) after \d+ messages", 60)
+            wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the idle connection's QP destroyed")
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        rc = frozen.wait(60)
+        out = text_of(frozen)
+        print(out, end="")
+        check(rc == 1 and "the server closed the connection after" in out, f"the frozen client told ({rc})")
+        # A client that keeps sending for longer than the timeout stays connected.
+        busy = start_client(s.port, "--count", "100000000", "--inflight", "2")
+        wait_until(lambda: s.rdma_objects("qp") == 1, 30, lambda: f"connected; client:\n{text_of(busy)}")
+        time.sleep(6)
+        check(busy.poll() is None, f"a busy client was dropped:\n{text_of(busy)}")
+        busy.send_signal(signal.SIGINT)
+        rc = busy.wait(60)
+        check(rc == 130, f"busy client exit {rc}:\n{text_of(busy)}")
+        s.wait_for(r"closed \(the client disconnected", 30)
+        check(s.text().count("closed (idle") == 1, "only the frozen client closed as idle")
+    finally:
+        check(s.stop() == 0, "server exit status")
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
