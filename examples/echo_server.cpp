@@ -19,16 +19,19 @@
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/rdma/srq.hpp>
 
 #include <arpa/inet.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -54,7 +57,9 @@ const char* const usage =
     "  --max-connections  connections open at once; beyond, requests are rejected with the\n"
     "              reason \"busy: N connections\" (default 1024; 0: no limit)\n"
     "  --idle-timeout  close a connection that sent no message for this many seconds\n"
-    "              (default 60; 0: never)\n";
+    "              (default 60; 0: never)\n"
+    "  --srq 1     receive through one shared receive queue per device (--srq-depth buffers,\n"
+    "              default 1024): registered memory does not grow with connections\n";
 
 struct server_options {
     std::string address = "0.0.0.0";
@@ -65,15 +70,37 @@ struct server_options {
     polling_mode mode = polling_mode::events;
     std::uint32_t max_connections = 1024; // 0: no limit
     std::uint32_t idle_timeout = 60;      // seconds; 0: never
+    bool srq = false;                     // receive through one shared receive queue per device
+    std::uint32_t srq_depth = 1024;       // its buffers
 };
 
-// What connections of one device share: its protection domain, completion channel, and the
-// watch on its asynchronous events (a port going down, a CQ overrun, a fatal QP error).
+class connection;
+
+// --srq: one shared receive queue of the device with its registered pool of buffers, and one CQ
+// for every connection's sends and receives: registered memory does not grow with connections.
+struct shared_receives {
+    cq completions;
+    std::optional<srq> queue; // dropped at the server's end (retire_shared_receives)
+    std::vector<std::byte> pool;
+    verbs::memory_region mr;
+    std::map<std::uint32_t, connection*> by_qp; // the connections, by the QP number a receive names
+    int sending = 0; // shared loops inside an echo send (the state outlives them)
+    shared_receives(io_context& io, channel& ch, const verbs::protection_domain& pd, int cq_entries,
+                    std::uint32_t depth, std::uint32_t max_size)
+        : completions(ch, cq_options{.entries = cq_entries}),
+          queue(std::in_place, io, pd, srq_options{.max_wr = depth}),
+          pool(std::size_t{depth} * max_size), mr(pd, pool) {}
+};
+
+// What connections of one device share: its protection domain, completion channel, the watch
+// on its asynchronous events (a port going down, a CQ overrun, a fatal QP error, the shared
+// receive queue running low), and with --srq the shared receives.
 struct device_resources {
     verbs::context context;
     verbs::protection_domain pd{context};
     channel completion_channel;
     device_events device_watch;
+    std::unique_ptr<shared_receives> shared;
     device_resources(io_context& io, verbs::context device, polling_mode mode)
         : context(std::move(device)),
           completion_channel(io, context, channel_options{.mode = mode}),
@@ -102,7 +129,9 @@ struct summary {
 
 // One client's connection: a pool of buffers, its CQ and QP. Every buffer has its own echo
 // loop, a coroutine that receives a message into it and sends it back from it, again and
-// again; the first failure closes the connection and ends the other loops.
+// again; the first failure closes the connection and ends the other loops. With --srq the
+// connection has no buffers or CQ of its own: the device's shared_echo_loops receive for every
+// connection and echo through echo_shared().
 class connection {
   public:
     // Throws std::system_error naming the verb that failed (memory region, CQ, QP).
@@ -111,6 +140,21 @@ class connection {
     // Accepts the client and echoes until the connection is closed. When it returns, no
     // request is owed a completion: the connection may be destroyed.
     task<summary> serve();
+
+    // --srq, for the device's shared loops: a message arrived for this connection; its echo
+    // (the await may outlive the connection: look it up again after); what the echo did; a
+    // failure that closes the connection (through its own watch, which outlives the close).
+    bool closing() const noexcept { return closing_; }
+    void received() noexcept { last_message_ = std::chrono::steady_clock::now(); }
+    qp::request echo(local_buffer message) noexcept { return qp_.send(message); }
+    void echoed(std::uint32_t bytes) noexcept {
+        ++summary_.messages;
+        summary_.bytes += bytes;
+    }
+    void fail(std::string why);
+    std::string receive_failure(ibv_wc_status status) const {
+        return failure(request::receive, status);
+    }
 
   private:
     enum class request { receive, echo_send };
@@ -123,31 +167,63 @@ class connection {
     task<void> disconnect();
     std::string failure(request failed, ibv_wc_status status) const;
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
+    qp make_qp();
 
     echo_server& server_;
+    device_resources& device_;
     cm_id id_;
     const std::uint32_t max_size_; // bytes of each buffer: the largest message taken
-    const std::uint32_t depth_;    // buffers, each with its own echo loop
+    const std::uint32_t depth_;    // buffers, each with its own echo loop (0 with --srq)
     std::vector<std::byte> pool_;  // declared before the QP, so that it outlives it
-    verbs::memory_region mr_;
-    cq completions_;
+    std::optional<verbs::memory_region> mr_;
+    std::optional<cq> completions_;
     qp qp_;
     summary summary_;
     bool accepted_ = false;
     bool closing_ = false;
-    std::stop_source ending_; // requested by close(): ends the idle and disconnect watches
+    std::stop_source
+        ending_; // requested by close() and fail(): ends the idle and disconnect watches
+    std::optional<std::string> failure_; // fail()'s reason
+    // --srq: no receive of this connection carries the server's stop, so the stop ends the
+    // watches (and watch_disconnect closes the connection).
+    struct request_stop_of {
+        std::stop_source* source;
+        void operator()() const noexcept { source->request_stop(); }
+    };
+    std::optional<std::stop_callback<request_stop_of>> forward_stop_;
     std::chrono::steady_clock::time_point last_message_ = std::chrono::steady_clock::now();
     std::size_t never_flushed_ = 0; // requests the device never flushed after the close
 };
 
 connection::connection(echo_server& server, device_resources& device, cm_id id)
-    : server_(server), id_(std::move(id)), max_size_(server.options.max_size),
-      depth_(server.options.depth), pool_(std::size_t{depth_} * max_size_), mr_(device.pd, pool_),
-      completions_(device.completion_channel, cq_options{.entries = static_cast<int>(2 * depth_)}),
-      qp_(id_.make_qp(device.pd, completions_, completions_,
-                      verbs::qp_caps{.max_send_wr = depth_, .max_recv_wr = depth_})) {}
+    : server_(server), device_(device), id_(std::move(id)), max_size_(server.options.max_size),
+      depth_(device.shared ? 0 : server.options.depth), pool_(std::size_t{depth_} * max_size_),
+      qp_(make_qp()) {}
+
+// Its own buffers and CQ, or (--srq) the device's shared receive queue and CQ. A shared CQ
+// serves up to --max-connections QPs: their queues together may exceed it, hence the
+// overcommit (a QP error flushes at most its --depth sends).
+qp connection::make_qp() {
+    const std::uint32_t sends = server_.options.depth;
+    if (device_.shared) {
+        shared_receives& shared = *device_.shared;
+        return id_.make_qp(
+            device_.pd, shared.completions, shared.completions,
+            verbs::qp_caps{.max_send_wr = sends, .max_recv_wr = 0},
+            qp_options{.allow_cq_overcommit = true, .shared_receive_queue = &*shared.queue});
+    }
+    mr_.emplace(device_.pd, pool_);
+    completions_.emplace(device_.completion_channel,
+                         cq_options{.entries = static_cast<int>(2 * depth_)});
+    return id_.make_qp(device_.pd, *completions_, *completions_,
+                       verbs::qp_caps{.max_send_wr = sends, .max_recv_wr = depth_});
+}
 
 task<summary> connection::serve() {
+    if (device_.shared) {
+        device_.shared->by_qp[qp_.qp_num()] = this;
+        forward_stop_.emplace(server_.stopping.get_token(), request_stop_of{&ending_});
+    }
     std::vector<task<void>> work;
     for (std::uint32_t slot = 0; slot < depth_; ++slot)
         work.push_back(echo_loop(slot));
@@ -157,6 +233,7 @@ task<summary> connection::serve() {
     // buffer's receive is posted before the client may send.
     work.push_back(accept());
     co_await when_all(std::move(work));
+    if (device_.shared) device_.shared->by_qp.erase(qp_.qp_num());
     if (never_flushed_ > 0)
         summary_.why +=
             "; " + std::to_string(never_flushed_) + " request(s) never flushed by the device";
@@ -229,15 +306,28 @@ task<void> connection::watch_idle() {
 
 // Awaits the client's disconnect (DREQ, or its CM gone) alongside the completions: the QP is
 // then in the error state, but only close() arms the bound on its flushes (to_error), so a
-// DREQ whose flushes never come still closes the connection, within flush_timeout.
+// DREQ whose flushes never come still closes the connection, within flush_timeout. With --srq
+// it also closes the connection for a failure the shared loops reported (fail()).
 task<void> connection::watch_disconnect() {
     bool gone = true;
     try {
         co_await id_.disconnected(wait_options(ending_.get_token()));
     } catch (const std::system_error&) {
-        gone = false; // closed for another reason first (operation_canceled)
+        gone = false; // closed, or failed, first (operation_canceled)
     }
-    if (gone) co_await close("the client disconnected");
+    if (gone) {
+        co_await close("the client disconnected");
+    } else if (!closing_ && (failure_ || server_.stopping.stop_requested())) {
+        // Named, not a ?: inside the co_await: GCC 12 destroys such a temporary twice.
+        std::string why = failure_ ? *failure_ : std::string("the server is shutting down");
+        co_await close(std::move(why));
+    }
+}
+
+void connection::fail(std::string why) {
+    if (closing_ || failure_) return;
+    failure_ = std::move(why);
+    ending_.request_stop();
 }
 
 // What a failed completion says about the connection.
@@ -280,7 +370,7 @@ task<void> connection::disconnect() {
 }
 
 local_buffer connection::buffer(std::uint32_t slot, std::uint32_t length) {
-    return local_buffer(mr_, std::span(pool_).subspan(std::size_t{slot} * max_size_, length));
+    return local_buffer(*mr_, std::span(pool_).subspan(std::size_t{slot} * max_size_, length));
 }
 
 // Serves one connection from its accept to its log line.
@@ -323,12 +413,106 @@ task<void> log_device_events(echo_server& server, device_resources& device) {
     }
 }
 
+// --srq: one buffer of the device's shared pool. Its receive may be taken by any connection's
+// QP (the completion names it); the message is echoed from the buffer on that connection, then
+// the buffer is posted again. Ends when the shared queue goes (its receive is flushed with no QP
+// named), at the server's end.
+task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::uint32_t size) {
+    // Lives until the server's end, after every shared loop (retire_shared_receives drops only
+    // the queue; the flushes of its last receives may name QPs: by_qp must still be there).
+    shared_receives& shared = *device.shared;
+    const auto buffer = [&](std::uint32_t length) {
+        return local_buffer(shared.mr,
+                            std::span(shared.pool).subspan(std::size_t{slot} * size, length));
+    };
+    const auto find = [&](std::uint32_t qp_num) -> connection* {
+        auto it = shared.by_qp.find(qp_num);
+        return it == shared.by_qp.end() ? nullptr : it->second;
+    };
+    for (;;) {
+        ibv_wc received{};
+        std::optional<completion_error> failed;
+        try {
+            received = co_await shared.queue->recv(buffer(size));
+        } catch (const completion_error& e) {
+            failed = e;
+        } catch (const std::system_error& e) {
+            std::fprintf(stderr, "echo_server: %s\n", e.what()); // ibv_post_srq_recv
+            co_return;
+        }
+        if (failed) {
+            if (failed->qp_num() == 0) co_return; // the shared queue went: the server's end
+            if (connection* c = find(failed->qp_num()))
+                c->fail(c->receive_failure(failed->status()));
+            continue; // that connection's flush, or its oversized message: the buffer goes on
+        }
+        connection* c = find(received.qp_num);
+        if (c == nullptr || c->closing()) continue; // its connection is gone or going: dropped
+        c->received();
+        std::string echo_failed;
+        ++shared.sending;
+        try {
+            ibv_wc sent = co_await c->echo(buffer(received.byte_len));
+            (void)sent;
+        } catch (const std::exception& e) {
+            echo_failed = e.what();
+        }
+        --shared.sending;
+        // The connection may have closed (and gone) meanwhile: look it up again.
+        if (connection* again = find(received.qp_num)) {
+            if (echo_failed.empty())
+                again->echoed(received.byte_len);
+            else
+                again->fail("echo send failed: " + echo_failed);
+        }
+    }
+}
+
+// --srq, at the server's end: once every connection is gone (their QPs too) and no shared loop
+// is inside a send, drops each device's shared receive queue; its last owner (the last QP
+// state, once its flushes came) flushes the receives still posted, which ends the shared loops,
+// and io_context::run() returns. The rest of the shared receives goes with the server.
+task<void> retire_shared_receives(echo_server& server) {
+    try {
+        for (;;)
+            co_await sleep_for(server.io, std::chrono::hours(1), server.stopping.get_token());
+    } catch (const std::system_error&) {
+        // the stop: SIGINT, SIGTERM, or the accept loop failing
+    }
+    const auto busy = [&] {
+        if (server.open > 0) return true;
+        for (auto& [native, device] : server.devices)
+            if (device->shared && device->shared->sending > 0) return true;
+        return false;
+    };
+    while (busy())
+        co_await sleep_for(server.io, std::chrono::milliseconds(10));
+    for (auto& [native, device] : server.devices)
+        if (device->shared) device->shared->queue.reset();
+}
+
 device_resources& resources_for(echo_server& server, verbs::context context) {
     auto& resources = server.devices[context.native()];
     if (!resources) {
-        resources =
-            std::make_unique<device_resources>(server.io, std::move(context), server.options.mode);
+        const server_options& options = server.options;
+        resources = std::make_unique<device_resources>(server.io, std::move(context), options.mode);
         server.io.spawn(log_device_events(server, *resources));
+        if (options.srq) {
+            // Every connection's sends (--depth each) and the shared receives on one CQ, within
+            // what the device allows.
+            ibv_device_attr attr{};
+            const int max_cqe =
+                ibv_query_device(resources->context.native(), &attr) == 0 ? attr.max_cqe : 4096;
+            const std::uint64_t want =
+                std::uint64_t{options.srq_depth} +
+                std::uint64_t{options.depth} * std::max<std::uint32_t>(options.max_connections, 64);
+            const int entries = static_cast<int>(std::min<std::uint64_t>(want, max_cqe));
+            resources->shared = std::make_unique<shared_receives>(
+                server.io, resources->completion_channel, resources->pd, entries, options.srq_depth,
+                options.max_size);
+            for (std::uint32_t slot = 0; slot < options.srq_depth; ++slot)
+                server.io.spawn(shared_echo_loop(*resources, slot, options.max_size));
+        }
     }
     return *resources;
 }
@@ -416,6 +600,10 @@ server_options parse(int argc, char** argv) {
         else if (flag == "--max-connections")
             options.max_connections =
                 static_cast<std::uint32_t>(echo::number(flag, value, 0, 1u << 20));
+        else if (flag == "--srq")
+            options.srq = echo::number(flag, value, 0, 1) == 1;
+        else if (flag == "--srq-depth")
+            options.srq_depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 1u << 20));
         else if (flag == "--idle-timeout")
             options.idle_timeout =
                 static_cast<std::uint32_t>(echo::number(flag, value, 0, 1u << 30));
@@ -442,9 +630,18 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
         options.max_connections ? std::to_string(options.max_connections) : "no limit";
     const std::string idle =
         options.idle_timeout ? std::to_string(options.idle_timeout) + " s" : "never";
-    std::printf("echo_server: listening on %s (messages up to %u bytes, %u receives per "
-                "connection, %s mode; connections at most %s, closed when idle %s)\n",
-                echo::text_of(at).c_str(), options.max_size, options.depth,
+    const std::string receives =
+        options.srq
+            ? "a shared receive queue of " + std::to_string(options.srq_depth) +
+                  " buffers per device (" +
+                  std::to_string(std::uint64_t{options.srq_depth} * options.max_size >> 10) +
+                  " KiB registered, whatever the connections)"
+            : std::to_string(options.depth) + " receives per connection (" +
+                  std::to_string(std::uint64_t{options.depth} * options.max_size >> 10) +
+                  " KiB registered each)";
+    std::printf("echo_server: listening on %s (messages up to %u bytes, %s, %s mode; connections "
+                "at most %s, closed when idle %s)\n",
+                echo::text_of(at).c_str(), options.max_size, receives.c_str(),
                 echo::mode_name(options.mode), most.c_str(), idle.c_str());
     std::fflush(stdout);
     return listener;
@@ -465,6 +662,7 @@ int main(int argc, char** argv) {
         cm_id listener = listen_on(server, address);
         io.spawn(watch_signals(server, signals));
         io.spawn(accept_loop(server, listener));
+        if (options.srq) io.spawn(retire_shared_receives(server));
         io.run(); // until a signal: the accept loop, then every connection, then the signal watch
                   // end
         std::printf(

@@ -45,6 +45,6 @@ completion_error::completion_error(const ibv_wc& wc, const char* operation)
     : std::system_error(make_error_code(wc.status),
                         std::string(operation) + " (status " + std::to_string(wc.status) +
                             ", vendor_err " + std::to_string(wc.vendor_err) + ")"),
-      vendor_err_(wc.vendor_err), wr_id_(wc.wr_id) {}
+      vendor_err_(wc.vendor_err), wr_id_(wc.wr_id), qp_num_(wc.qp_num) {}
 
 } // namespace ringverbs

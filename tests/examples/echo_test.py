@@ -335,6 +335,39 @@ def case_idle_timeout():
         check(s.stop() == 0, "server exit status")
 
 
+def case_shared_receive_queue():
+    """--srq 1: 16 connections x 2,000 messages through one shared receive queue, verified; the
+    registered memory is the pool's, whatever the connections; a killed client's QP goes and the
+    others go on; SIGINT with 2 connections open closes them, tells the client, exits 0."""
+    s = Server(19011, "--srq", "1", "--srq-depth", "256")
+    try:
+        check("a shared receive queue of 256 buffers" in s.text(), "the listen line names the srq")
+        victim = start_client(s.port, "--clients", "1", "--count", "100000000", "--inflight", "4")
+        wait_until(lambda: s.rdma_objects("qp") == 1, 30, "the victim's QP")
+        time.sleep(0.5)
+        victim.kill()
+        victim.wait()
+        rc, out, err = client(s.port, "--clients", "16", "--count", "2000", "--inflight", "4", "--size", "256")
+        print(out + err, end="")
+        check(rc == 0, f"client exit {rc}")
+        got, want, nbytes = verified(out)
+        check(got == want == 32000 and nbytes == 32000 * 256, f"verified {got} of {want}")
+        s.wait_for(r"closed \([^)]*\) after", 60, count=17)
+        wait_until(lambda: s.rdma_objects("qp") == 0, 30, lambda: f"{s.rdma_objects('qp')} QPs left")
+        # One MR (the shared pool), not one per connection.
+        check(s.rdma_objects("mr") == 1, f"{s.rdma_objects('mr')} MRs registered")
+        # A client still sending when the server stops is closed and told.
+        lingering = start_client(s.port, "--clients", "2", "--count", "100000000", "--inflight", "4")
+        wait_until(lambda: s.rdma_objects("qp") == 2, 30, "the lingering client's QPs")
+        time.sleep(0.5)
+    finally:
+        status = s.stop(signal.SIGINT)
+        check(status == 0, f"server exit status {status}:\n{s.text()}")
+    lingering.wait(60)
+    check("the server closed the connection" in text_of(lingering), text_of(lingering))
+    check("19 connection(s) served" in s.text(), "server summary")
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

@@ -33,10 +33,14 @@ class completion_error : public std::system_error {
     ibv_wc_status status() const noexcept { return static_cast<ibv_wc_status>(code().value()); }
     std::uint32_t vendor_err() const noexcept { return vendor_err_; }
     std::uint64_t wr_id() const noexcept { return wr_id_; }
+    // The QP the completion names (for a receive from an srq: the QP that took it; 0 for a
+    // flush made up when no QP could deliver one).
+    std::uint32_t qp_num() const noexcept { return qp_num_; }
 
   private:
     std::uint32_t vendor_err_;
     std::uint64_t wr_id_;
+    std::uint32_t qp_num_;
 };
 
 } // namespace ringverbs
