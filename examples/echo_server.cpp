@@ -305,8 +305,8 @@ task<void> connection::watch_idle() {
 }
 
 // Awaits the client's disconnect (DREQ, or its CM gone) alongside the completions: the QP is
-// then in the error state, but only close() arms the bound on its flushes (to_error), so a
-// DREQ whose flushes never come still closes the connection, within flush_timeout. With --srq
+// then in the error state, but only qp::to_error() arms the bound on its flushes, so a DREQ
+// whose flushes never come still closes the connection, within flush_timeout. With --srq
 // it also closes the connection for a failure the shared loops reported (fail()).
 task<void> connection::watch_disconnect() {
     bool gone = true;
@@ -315,7 +315,18 @@ task<void> connection::watch_disconnect() {
     } catch (const std::system_error&) {
         gone = false; // closed, or failed, first (operation_canceled)
     }
-    if (gone) {
+    if (gone && !device_.shared) {
+        // Its own receives say why first: a failure the client caused (an oversized message)
+        // sits in the CQ before the flushes. Moving the QP to error arms the bound on them, so
+        // the echo loops end, and close, even if the device never flushes.
+        std::string failed;
+        try {
+            qp_.to_error();
+        } catch (const std::exception& e) {
+            failed = std::string("the client disconnected; ") + e.what();
+        }
+        if (!failed.empty()) co_await close(std::move(failed));
+    } else if (gone) {
         co_await close("the client disconnected");
     } else if (!closing_ && (failure_ || server_.stopping.stop_requested())) {
         // Named, not a ?: inside the co_await: GCC 12 destroys such a temporary twice.
