@@ -3,12 +3,22 @@
 // all on one io_context.
 //
 //   echo_client --address IP [--port N] [--device NAME] [--size BYTES] [--count N]
-//               [--inflight N] [--clients N] [--mode events|hybrid|busy] [--json]
+//               [--inflight N] [--clients N] [--connect-concurrency N] [--connect-attempts N]
+//               [--mode events|hybrid|busy] [--json]
 //
 // Each connection keeps --inflight messages on the wire: a message goes out when the reply to
 // the one before it in the same buffer slot is back and that slot's send has completed. The
 // server echoes in order, so the k-th reply must be the k-th message: its bytes are a pattern
 // of (connection, k), checked in full. SIGINT stops early, with a clean disconnect.
+//
+// Connecting: at most --connect-concurrency connections are being set up (resolve, route,
+// connect) at once, the others wait for their turn, so that a thousand clients do not all hit
+// the server's listen backlog and the CM's timeouts together. A set-up that times out, or that
+// the server rejects as busy ("busy: ..." in the reject's private data, --max-connections), is
+// tried again after an exponential backoff with jitter (50 ms doubling, at most 2 s; the turn
+// is given up while waiting), up to --connect-attempts in all; any other error (nothing
+// listens, no route) fails the connection at once. The summary gives connect times p50/p99
+// (from a connection's first turn to ESTABLISHED, retries included) and failures by reason.
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
@@ -22,9 +32,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <coroutine>
 #include <cstdio>
+#include <deque>
+#include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <vector>
 
 using namespace ringverbs;
@@ -35,7 +49,8 @@ namespace {
 
 const char* const usage =
     "usage: echo_client --address IP [--port N] [--device NAME] [--size BYTES] [--count N]\n"
-    "                   [--inflight N] [--clients N] [--mode events|hybrid|busy] [--json]\n"
+    "                   [--inflight N] [--clients N] [--connect-concurrency N]\n"
+    "                   [--connect-attempts N] [--mode events|hybrid|busy] [--json]\n"
     "  --address   the server's IPv4 or IPv6 address (default: $RINGVERBS_ADDR)\n"
     "  --port      the server's port (default 18515)\n"
     "  --device    the RDMA device that must carry the connections (default: the route's)\n"
@@ -43,6 +58,9 @@ const char* const usage =
     "  --count     messages per connection (default 10000)\n"
     "  --inflight  messages on the wire per connection (default 1: ping-pong)\n"
     "  --clients   connections, each its own coroutine (default 1)\n"
+    "  --connect-concurrency  connections being set up at once; the rest wait (default 64)\n"
+    "  --connect-attempts     tries per connection when a connect times out or the server is\n"
+    "              busy, with backoff from 50 ms (default 5; 1: no retry)\n"
     "  --mode      how the completion channel waits (default events)\n"
     "  --json      also print the result as one JSON object\n";
 
@@ -54,6 +72,8 @@ struct config {
     std::uint64_t count = 10000;
     std::uint32_t inflight = 1;
     int clients = 1;
+    int connect_concurrency = 64;
+    int connect_attempts = 5;
     polling_mode mode = polling_mode::events;
     bool json = false;
 };
@@ -79,8 +99,55 @@ struct latency_histogram {
     }
 };
 
+// At most `free` holders at once; the others wait in FIFO order. Single-threaded (one
+// io_context): a release hands the turn to the first waiter, resumed through the loop (post), so
+// that a chain of releases never nests resumptions.
+class turns {
+  public:
+    turns(io_context& io, int n) : io_(io), free_(n) {}
+    struct awaiter {
+        turns& t;
+        bool await_ready() noexcept { return t.free_ > 0 && (--t.free_, true); }
+        void await_suspend(std::coroutine_handle<> h) { t.waiting_.push_back(h); }
+        void await_resume() noexcept {}
+    };
+    awaiter acquire() noexcept { return {*this}; }
+    void release() {
+        if (waiting_.empty()) {
+            ++free_;
+            return;
+        }
+        const std::coroutine_handle<> next = waiting_.front(); // the turn passes to it
+        waiting_.pop_front();
+        io_.post([next] { next.resume(); });
+    }
+
+  private:
+    io_context& io_;
+    int free_;
+    std::deque<std::coroutine_handle<>> waiting_;
+};
+
+// The turn a coroutine holds (after co_await t.acquire(), hold(t)), given back when it goes,
+// also when an exception leaves the coroutine.
+class turn {
+  public:
+    turn() noexcept = default;
+    turn(const turn&) = delete;
+    turn& operator=(const turn&) = delete;
+    ~turn() { give_back(); }
+    void hold(turns& t) noexcept { t_ = &t; }
+    void give_back() {
+        if (t_) std::exchange(t_, nullptr)->release();
+    }
+
+  private:
+    turns* t_ = nullptr;
+};
+
 struct client {
-    client(io_context& i, config c, sockaddr_storage to) : io(i), cfg(std::move(c)), server(to) {}
+    client(io_context& i, config c, sockaddr_storage to)
+        : io(i), cfg(std::move(c)), server(to), connecting(i, cfg.connect_concurrency) {}
     io_context& io;
     config cfg;
     sockaddr_storage server;
@@ -94,7 +161,52 @@ struct client {
     latency_histogram latency; // every verified round trip
     std::uint64_t verified = 0;
     int failed = 0;
+    turns connecting;                            // --connect-concurrency
+    latency_histogram connect_time;              // us, first turn to ESTABLISHED
+    int connected = 0;                           // connections established
+    int retries = 0;                             // attempts after a connection's first
+    std::map<std::string, int> connect_failures; // reason -> connections that never connected
+    std::minstd_rand jitter{std::random_device{}()};
 };
+
+// Why a set-up failed, as a summary's reason, and whether another attempt may do better.
+struct setup_failure {
+    // "busy", "timeout", "rejected", "no_listener", "refused", "unreachable", "error"
+    std::string reason;
+    std::string text; // for the log line
+    bool retry = false;
+};
+
+setup_failure classify(const connection_rejected& e) {
+    // The server's reason, in the reject's private data (e.g. "busy: 4 connections, the
+    // server's limit"); without one, the transport's reason (e.g. nothing listens).
+    const std::string why = echo::reject_reason(e.private_data());
+    if (e.by_peer_application() && !why.empty()) {
+        const bool busy = why.rfind("busy:", 0) == 0;
+        return {busy ? "busy" : "rejected", "the server rejected the connection: " + why, busy};
+    }
+    const char* reason = e.by_peer_application() ? "rejected"
+                         : e.reason() == 8       ? "no_listener" // IB CM: invalid service id
+                                                 : "refused";
+    return {reason, e.what(), false};
+}
+
+setup_failure classify(const std::system_error& e) {
+    // ETIMEDOUT: the CM's own timeout (rdma_connect, a resolution) or our wait's.
+    if (e.code() == std::errc::timed_out) return {"timeout", e.what(), true};
+    if (e.code() == std::errc::network_unreachable || e.code() == std::errc::host_unreachable)
+        return {"unreachable", e.what(), false};
+    return {"error", e.what(), false};
+}
+
+// Backoff before attempt `attempt` + 1: 50 ms doubling per attempt, at most 2 s, of which a
+// random half (equal jitter), so that connections rejected together do not come back together.
+std::chrono::microseconds backoff(client& cl, int attempt) {
+    const std::int64_t full =
+        std::min<std::int64_t>(50'000LL << std::min(attempt - 1, 16), 2'000'000);
+    std::uniform_int_distribution<std::int64_t> half(0, full / 2);
+    return std::chrono::microseconds(full / 2 + half(cl.jitter));
+}
 
 // Byte i of message k of connection c: both sides of the check compute it.
 std::byte pattern(int c, std::uint64_t k, std::size_t i) {
@@ -107,42 +219,101 @@ task<void> connection(client& cl, int number) {
     const config& cfg = cl.cfg;
     const std::uint32_t size = cfg.size, window = cfg.inflight;
     const std::string where = echo::text_of(reinterpret_cast<const sockaddr*>(&cl.server));
-    cm_id id(cl.cm);
-    try {
-        co_await id.resolve_addr(reinterpret_cast<const sockaddr*>(&cl.server), wait_options(5s));
-        co_await id.resolve_route(wait_options(5s));
-    } catch (const std::system_error& e) {
-        throw std::runtime_error("cannot reach " + where + ": " + e.what());
-    }
-    if (!cl.ctx) {
-        cl.ctx.emplace(id.device());
-        if (!cfg.device.empty() && cl.ctx->name() != cfg.device)
-            throw std::runtime_error("the route to " + where + " goes through device " +
-                                     std::string(cl.ctx->name()) + ", not " + cfg.device);
-        cl.pd.emplace(*cl.ctx);
-        cl.events.emplace(cl.io, *cl.ctx, channel_options{.mode = cfg.mode});
-    }
+    const std::stop_token stop = cl.stopping.get_token();
     // Slot s of each half: the message k = s (mod window) going out, and a reply coming in.
     // Declared before the QP, so that they outlive it.
     std::vector<std::byte> buffers(2 * std::size_t{window} * size);
-    verbs::memory_region mr(*cl.pd, buffers);
-    cq completions(*cl.events, cq_options{.entries = static_cast<int>(2 * window)});
-    qp q = id.make_qp(*cl.pd, completions, completions,
-                      verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window});
+    std::optional<verbs::memory_region> mr;
+    // Each attempt makes its own id, CQ and QP; the next one (or the coroutine's end) destroys
+    // them, QP first.
+    std::optional<cq> completions;
+    std::optional<cm_id> id;
+    std::optional<qp> q;
+
+    echo::server_hello hello{};
+    turn my_turn;
+    co_await cl.connecting.acquire();
+    my_turn.hold(cl.connecting);
+    if (stop.stop_requested()) co_return; // SIGINT while waiting for the turn
+    const auto first_turn = clock_type::now();
+    for (int attempt = 1;; ++attempt) {
+        q.reset();
+        id.reset();
+        completions.reset();
+        bool established = false, reached = false;
+        setup_failure failure;
+        try {
+            id.emplace(cl.cm);
+            co_await id->resolve_addr(reinterpret_cast<const sockaddr*>(&cl.server),
+                                      wait_options(5s, stop));
+            co_await id->resolve_route(wait_options(5s, stop));
+            reached = true;
+            if (!cl.ctx) {
+                cl.ctx.emplace(id->device());
+                if (!cfg.device.empty() && cl.ctx->name() != cfg.device)
+                    throw std::runtime_error("the route to " + where + " goes through device " +
+                                             std::string(cl.ctx->name()) + ", not " + cfg.device);
+                cl.pd.emplace(*cl.ctx);
+                cl.events.emplace(cl.io, *cl.ctx, channel_options{.mode = cfg.mode});
+            }
+            if (!mr) mr.emplace(*cl.pd, buffers);
+            completions.emplace(*cl.events, cq_options{.entries = static_cast<int>(2 * window)});
+            q.emplace(id->make_qp(*cl.pd, *completions, *completions,
+                                  verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window}));
+            auto data = co_await id->connect({}, wait_options(10s, stop));
+            if (data.size() >= sizeof hello) std::memcpy(&hello, data.data(), sizeof hello);
+            established = true;
+        } catch (const connection_rejected& e) {
+            failure = classify(e);
+        } catch (const std::system_error& e) {
+            failure = classify(e);
+        }
+        if (established) break;
+        if (stop.stop_requested())
+            throw std::runtime_error("connection " + std::to_string(number) +
+                                     ": interrupted before it was established");
+        if (!failure.retry || attempt >= cfg.connect_attempts) {
+            ++cl.connect_failures[failure.reason];
+            throw std::runtime_error(
+                std::string(reached ? "cannot connect to " : "cannot reach ") + where + ": " +
+                failure.text +
+                (attempt > 1 ? " (" + std::to_string(attempt) + " attempts)" : std::string()));
+        }
+        // Another try, later: the turn goes to the next connection meanwhile.
+        ++cl.retries;
+        my_turn.give_back();
+        bool interrupted = false;
+        try {
+            co_await sleep_for(cl.io, backoff(cl, attempt), stop);
+        } catch (const std::system_error&) {
+            interrupted = true; // a co_await may not be in a handler
+        }
+        if (interrupted)
+            throw std::runtime_error("connection " + std::to_string(number) +
+                                     ": interrupted before it was established");
+        co_await cl.connecting.acquire();
+        my_turn.hold(cl.connecting);
+        if (stop.stop_requested()) co_return;
+    }
+    my_turn.give_back();
+    ++cl.connected;
+    cl.connect_time.add(
+        std::chrono::duration<double, std::micro>(clock_type::now() - first_turn).count());
+
     std::byte* const out = buffers.data();
     std::byte* const in = buffers.data() + std::size_t{window} * size;
     ibv_sge sge{};
     auto post_receive = [&](std::uint64_t slot) {
-        sge = {reinterpret_cast<std::uintptr_t>(in + slot * size), size, mr.native()->lkey};
+        sge = {reinterpret_cast<std::uintptr_t>(in + slot * size), size, mr->native()->lkey};
         ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
-        q.native_qp().post_recv(wr);
+        q->native_qp().post_recv(wr);
     };
     std::vector<clock_type::time_point> sent_at(window);
     auto post_message = [&](std::uint64_t k) {
         const std::uint64_t slot = k % window;
         for (std::size_t i = 0; i < size; ++i)
             out[slot * size + i] = pattern(number, k, i);
-        sge = {reinterpret_cast<std::uintptr_t>(out + slot * size), size, mr.native()->lkey};
+        sge = {reinterpret_cast<std::uintptr_t>(out + slot * size), size, mr->native()->lkey};
         ibv_send_wr wr{};
         wr.wr_id = slot | send_bit;
         wr.sg_list = &sge;
@@ -150,27 +321,13 @@ task<void> connection(client& cl, int number) {
         wr.opcode = IBV_WR_SEND;
         wr.send_flags = IBV_SEND_SIGNALED;
         sent_at[slot] = clock_type::now();
-        q.native_qp().post_send(wr);
+        q->native_qp().post_send(wr);
     };
+    // Receives first (the server sends nothing but replies, so after the connect is in time).
     std::uint64_t receives = std::min<std::uint64_t>(window, cfg.count); // posted so far
     for (std::uint64_t slot = 0; slot < receives; ++slot)
         post_receive(slot);
 
-    echo::server_hello hello{};
-    try {
-        auto data = co_await id.connect({}, wait_options(10s));
-        if (data.size() >= sizeof hello) std::memcpy(&hello, data.data(), sizeof hello);
-    } catch (const connection_rejected& e) {
-        // The server's reason, in the reject's private data (e.g. "busy: 4 connections, the
-        // server's limit"); without one, the transport's reason.
-        const std::string why = echo::reject_reason(e.private_data());
-        throw std::runtime_error("cannot connect to " + where + ": " +
-                                 (e.by_peer_application() && !why.empty()
-                                      ? "the server rejected the connection: " + why
-                                      : std::string(e.what())));
-    } catch (const std::system_error& e) {
-        throw std::runtime_error("cannot connect to " + where + ": " + e.what());
-    }
     const std::uint32_t server_max = ntohl(hello.max_size), server_depth = ntohl(hello.depth);
     if (server_depth != 0 && window > server_depth)
         std::fprintf(
@@ -197,7 +354,7 @@ task<void> connection(client& cl, int number) {
         closing = true;
         error = std::move(why);
         try {
-            co_await id.disconnect(wait_options(2s));
+            co_await id->disconnect(wait_options(2s));
         } catch (const std::exception&) {
         }
     };
@@ -208,7 +365,7 @@ task<void> connection(client& cl, int number) {
             closing ? wait_options(5s) : wait_options(cl.stopping.get_token());
         bool interrupted = false;
         try {
-            wc = co_await completions.next(wait);
+            wc = co_await completions->next(wait);
         } catch (const std::system_error&) {
             interrupted = true; // a co_await may not be in a handler
         }
@@ -220,7 +377,7 @@ task<void> connection(client& cl, int number) {
         --posted;
         const std::uint64_t slot = wc.wr_id & ~send_bit;
         if (wc.status != IBV_WC_SUCCESS) {
-            std::string why = id.is_disconnected()
+            std::string why = id->is_disconnected()
                                   ? "the server closed the connection"
                                   : std::string(wc.wr_id & send_bit ? "send" : "receive") +
                                         " failed: " + ibv_wc_status_str(wc.status);
@@ -322,6 +479,10 @@ config parse(int argc, char** argv) {
             c.inflight = static_cast<std::uint32_t>(echo::number(flag, v, 1, 4096));
         else if (flag == "--clients")
             c.clients = static_cast<int>(echo::number(flag, v, 1, 1024));
+        else if (flag == "--connect-concurrency")
+            c.connect_concurrency = static_cast<int>(echo::number(flag, v, 1, 1024));
+        else if (flag == "--connect-attempts")
+            c.connect_attempts = static_cast<int>(echo::number(flag, v, 1, 100));
         else if (flag == "--mode")
             c.mode = echo::mode_of(v);
         else
@@ -359,16 +520,34 @@ int main(int argc, char** argv) {
         std::printf("echo_client: %.0f messages/s, %.2f MB/s each way; round trip p50 %.1f us, p99 "
                     "%.1f us, p99.9 %.1f us\n",
                     rate, rate * cfg.size / 1e6, pct(0.50), pct(0.99), pct(0.999));
+        // Connecting: times from a connection's first turn to ESTABLISHED (retries included),
+        // and the connections that never got there, by reason.
+        auto connect_ms = [&](double p) { return cl.connect_time.percentile(p) / 1000.0; };
+        std::string failures, failures_json;
+        for (const auto& [reason, n] : cl.connect_failures) {
+            failures += (failures.empty() ? "" : ", ") + reason + " " + std::to_string(n);
+            failures_json +=
+                (failures_json.empty() ? "\"" : ", \"") + reason + "\": " + std::to_string(n);
+        }
+        std::printf("echo_client: %d of %d connection(s) established, %d set up at a time: connect "
+                    "p50 %.1f ms, p99 %.1f ms; %d retried attempt(s); connect failures: %s\n",
+                    cl.connected, cfg.clients, std::min(cfg.connect_concurrency, cfg.clients),
+                    connect_ms(0.50), connect_ms(0.99), cl.retries,
+                    failures.empty() ? "none" : failures.c_str());
         if (cfg.json)
             std::printf("{\"clients\": %d, \"size\": %u, \"inflight\": %u, \"mode\": \"%s\", "
                         "\"messages\": %llu, "
                         "\"verified\": %llu, \"seconds\": %.3f, \"messages_per_s\": %.1f, "
                         "\"p50_us\": %.2f, "
-                        "\"p99_us\": %.2f, \"p999_us\": %.2f}\n",
+                        "\"p99_us\": %.2f, \"p999_us\": %.2f, \"connected\": %d, "
+                        "\"connect_concurrency\": %d, \"connect_p50_ms\": %.2f, "
+                        "\"connect_p99_ms\": %.2f, \"connect_retries\": %d, "
+                        "\"connect_failures\": {%s}}\n",
                         cfg.clients, cfg.size, cfg.inflight, echo::mode_name(cfg.mode),
                         static_cast<unsigned long long>(want),
                         static_cast<unsigned long long>(cl.verified), secs, rate, pct(0.50),
-                        pct(0.99), pct(0.999));
+                        pct(0.99), pct(0.999), cl.connected, cfg.connect_concurrency,
+                        connect_ms(0.50), connect_ms(0.99), cl.retries, failures_json.c_str());
         if (cl.stopping.stop_requested() && cl.verified < want && cl.failed == 0) return 130;
         return cl.failed == 0 && cl.verified == want ? 0 : 1;
     } catch (const std::exception& e) {

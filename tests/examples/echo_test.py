@@ -108,6 +108,20 @@ def verified(stdout):
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
+def connect_summary(stdout):
+    """The client's connect summary: (established, clients, at a time, retried attempts, failures)."""
+    m = re.search(r"(\d+) of (\d+) connection\(s\) established, (\d+) set up at a time: connect p50 [\d.]+ ms, "
+                  r"p99 [\d.]+ ms; (\d+) retried attempt\(s\); connect failures: (.*)", stdout)
+    check(m, f"no connect summary in the client's output:\n{stdout}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5)
+
+
+def json_of(stdout):
+    line = next((l for l in stdout.splitlines() if l.startswith("{")), None)
+    check(line, f"no JSON line in the client's output:\n{stdout}")
+    return json.loads(line)
+
+
 def wait_until(cond, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,6 +142,7 @@ def case_sixteen_clients():
         check(rc == 0, f"client exit {rc}")
         got, want, nbytes = verified(out)
         check(got == want == 160000 and nbytes == 160000 * 256, f"verified {got} of {want}")
+        check(connect_summary(out)[:2] == (16, 16), "16 of 16 connected")
         # (Linux 6.1's Soft-RoCE may leave a few receives unflushed: the server says so and
         # waits 5 s for them before it lets the QP go.)
         s.wait_for(r"closed \(the client disconnected[^\n]* after 10000 messages", 60, count=16)
@@ -205,6 +220,7 @@ def case_refused_unreachable_no_device():
     rc, out, err = client(19004, "--count", "1")
     print(err, end="")
     check(rc == 1 and "Connection refused" in err and "nothing listens" in err, "refusal")
+    check("attempts)" not in err and connect_summary(out)[3:] == (0, "no_listener 1"), "refused at once, not retried")
     r = subprocess.run([CLIENT, "--address", "198.19.0.1", "--port", "19004"], capture_output=True, text=True,
                        timeout=60)
     print(r.stderr, end="")
@@ -264,19 +280,20 @@ def case_server_shutdown():
 
 
 def case_max_connections():
-    """--max-connections 4: of 8 clients at once 4 are served and 4 rejected with the server's
-    reason; with 4 held open, more attempts are rejected, no resources made for them; the server
+    """--max-connections 4: of 8 clients at once (one attempt each) 4 are served and 4 rejected
+    with the server's reason; with 4 held open, more attempts are rejected, no resources made for them; the server
     goes on serving."""
     s = Server(19009, "--max-connections", "4")
     busy = "the server rejected the connection: busy: 4 connections, the server's limit"
     try:
         # 8 connections in one process, long enough that none ends before the last request.
-        rc, out, err = client(s.port, "--clients", "8", "--count", "5000")
+        rc, out, err = client(s.port, "--clients", "8", "--count", "5000", "--connect-attempts", "1")
         print(out + err, end="")
         check(rc == 1, f"8 clients against 4: exit {rc}")
         check(err.count(busy) == 4, f"4 connections rejected with the reason ({err.count(busy)})")
         got, want, _ = verified(out)
         check(got == 4 * 5000 and want == 8 * 5000, f"4 connections served: {got} of {want} verified")
+        check(connect_summary(out) == (4, 8, 8, 0, "busy 4"), "summary: 4 of 8 connected, 4 busy")
         s.wait_for(r"request from \S+ rejected \(busy: 4 connections", 30, count=4)
         s.wait_for(r"closed \(the client disconnected", 60, count=4)
         wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the server's QPs all destroyed")
@@ -284,7 +301,7 @@ def case_max_connections():
         held = start_client(s.port, "--count", "100000000", "--inflight", "2", "--clients", "4")
         wait_until(lambda: s.rdma_objects("qp") == 4, 30,
                    lambda: f"4 connections open ({s.rdma_objects('qp')} QPs); client:\n{text_of(held)}")
-        rc, out, err = client(s.port, "--clients", "3", "--count", "10")
+        rc, out, err = client(s.port, "--clients", "3", "--count", "10", "--connect-attempts", "1")
         print(err, end="")
         check(rc == 1 and err.count(busy) == 3, f"3 more attempts rejected with the reason ({rc})")
         s.wait_for(r"rejected \(busy: 4 connections", 30, count=7)
@@ -339,7 +356,7 @@ def case_shared_receive_queue():
     """--srq 1: 16 connections x 2,000 messages through one shared receive queue, verified; the
     registered memory is the pool's, whatever the connections; a killed client's QP goes and the
     others go on; SIGINT with 2 connections open closes them, tells the client, exits 0."""
-    s = Server(19011, "--srq", "1", "--srq-depth", "256")
+    s = Server(19013, "--srq", "1", "--srq-depth", "256")
     try:
         check("a shared receive queue of 256 buffers" in s.text(), "the listen line names the srq")
         victim = start_client(s.port, "--clients", "1", "--count", "100000000", "--inflight", "4")
@@ -366,6 +383,71 @@ def case_shared_receive_queue():
     lingering.wait(60)
     check("the server closed the connection" in text_of(lingering), text_of(lingering))
     check("19 connection(s) served" in s.text(), "server summary")
+
+
+def case_connect_concurrency():
+    """64 connections set up 8 at a time (--connect-concurrency 8): all connected and verified,
+    the connect summary printed (and in --json)."""
+    s = Server(19011)
+    try:
+        rc, out, err = client(s.port, "--clients", "64", "--connect-concurrency", "8", "--count", "200", "--json")
+        print(out + err, end="")
+        check(rc == 0, f"client exit {rc}")
+        got, want, _ = verified(out)
+        check(got == want == 64 * 200, f"verified {got} of {want}")
+        established, clients, at_a_time, _, failures = connect_summary(out)
+        check((established, clients, at_a_time, failures) == (64, 64, 8, "none"), "64 of 64 connected, 8 at a time")
+        j = json_of(out)
+        check(j["connected"] == 64 and j["connect_concurrency"] == 8 and j["connect_failures"] == {}, f"JSON: {j}")
+        check(0 < j["connect_p50_ms"] <= j["connect_p99_ms"], f"JSON connect times: {j}")
+        s.wait_for(r"closed \(the client disconnected", 60, count=64)
+    finally:
+        check(s.stop() == 0, "server exit status")
+    check("64 connection(s) served" in s.text(), "server summary")
+
+
+def case_busy_retry():
+    """--max-connections 2 with 2 held open: connections rejected as busy are retried with backoff
+    and, while the 2 stay, reported as busy after --connect-attempts; once they go, retrying ones
+    are served; 4 short clients at once against 2 slots are all served in the end."""
+    s = Server(19012, "--max-connections", "2")
+    busy = "the server rejected the connection: busy: 2 connections, the server's limit"
+    rejects = r"rejected \(busy: 2 connections"
+    try:
+        held = start_client(s.port, "--count", "100000000", "--inflight", "2", "--clients", "2")
+        wait_until(lambda: s.rdma_objects("qp") == 2, 30,
+                   lambda: f"2 connections open ({s.rdma_objects('qp')} QPs); client:\n{text_of(held)}")
+        # Bounded: 3 attempts each while the slots stay taken, then the reason.
+        rc, out, err = client(s.port, "--clients", "2", "--count", "10", "--connect-attempts", "3", "--json")
+        print(out + err, end="")
+        check(rc == 1 and err.count(busy + " (3 attempts)") == 2, f"2 connections busy after 3 attempts ({rc})")
+        check(connect_summary(out) == (0, 2, 2, 4, "busy 2"), "summary: 0 of 2, 4 retries, busy 2")
+        check(json_of(out)["connect_failures"] == {"busy": 2}, "JSON failures by reason")
+        s.wait_for(rejects, 30, count=6)
+        # Retrying while the slots are taken; served once the held connections go.
+        waiting = start_client(s.port, "--clients", "2", "--count", "300", "--connect-attempts", "20")
+        s.wait_for(rejects, 30, count=8)  # both rejected at least once
+        check(waiting.poll() is None, f"the retrying client gave up:\n{text_of(waiting)}")
+        held.send_signal(signal.SIGINT)
+        check(held.wait(60) == 130, f"held client:\n{text_of(held)}")
+        rc = waiting.wait(600)
+        out = text_of(waiting)
+        print(out, end="")
+        check(rc == 0 and verified(out)[0] == 600, f"the retrying client served ({rc})")
+        established, _, _, retried, failures = connect_summary(out)
+        check(established == 2 and retried >= 2 and failures == "none", "2 of 2 connected after retries")
+        # 4 short clients at once against 2 slots: the 2 rejected come back once 2 are done.
+        wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the server's QPs all destroyed")
+        before = len(re.findall(rejects, s.text()))
+        rc, out, err = client(s.port, "--clients", "4", "--count", "300", "--connect-attempts", "20")
+        print(out + err, end="")
+        check(rc == 0 and verified(out)[0] == 1200, f"4 clients against 2 slots all served ({rc})")
+        established, _, _, retried, failures = connect_summary(out)
+        check(established == 4 and failures == "none", "4 of 4 connected")
+        rejected = len(re.findall(rejects, s.text())) - before
+        check(retried >= rejected >= 2, f"every reject retried ({retried} retries, {rejected} rejects)")
+    finally:
+        check(s.stop() == 0, "server exit status")
 
 
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
