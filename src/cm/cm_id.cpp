@@ -442,20 +442,7 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
                                    const verbs::completion_queue& send_cq,
                                    const verbs::completion_queue& recv_cq,
                                    const verbs::qp_caps& caps, ibv_srq* srq) {
-    ibv_qp_init_attr init{};
-    init.send_cq = send_cq.native();
-    init.recv_cq = recv_cq.native();
-    init.qp_type = IBV_QPT_RC;
-    init.cap.max_send_wr = caps.max_send_wr;
-    init.cap.max_recv_wr = caps.max_recv_wr;
-    init.cap.max_send_sge = caps.max_send_sge;
-    init.cap.max_recv_sge = caps.max_recv_sge;
-    init.cap.max_inline_data = caps.max_inline_data;
-    if (srq != nullptr) {
-        init.srq = srq;
-        init.cap.max_recv_wr = 0;
-        init.cap.max_recv_sge = 0;
-    }
+    ibv_qp_init_attr init = verbs::rc_init_attr(send_cq.native(), recv_cq.native(), caps, srq);
     errno = 0;
     cm_check(rdma_create_qp(state_->id, pd.native(), &init),
              "rdma_create_qp (the PD must come from the id's device())");

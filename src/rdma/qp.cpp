@@ -91,20 +91,12 @@ qp_state::~qp_state() {
 }
 
 void qp_state::link(wr_op* op) noexcept {
-    op->prev = nullptr;
-    op->next = pending;
-    if (pending) pending->prev = op;
-    pending = op;
+    push_owed(pending, op);
     ++pending_count;
 }
 
 void qp_state::unlink(wr_op* op) noexcept {
-    if (op->prev)
-        op->prev->next = op->next;
-    else
-        pending = op->next;
-    if (op->next) op->next->prev = op->prev;
-    op->prev = op->next = nullptr;
+    remove_owed(pending, op);
     if (--pending_count == 0) owed_nothing();
 }
 

@@ -49,20 +49,12 @@ srq_state::~srq_state() {
 }
 
 void srq_state::link(wr_op* op) noexcept {
-    op->prev = nullptr;
-    op->next = pending;
-    if (pending) pending->prev = op;
-    pending = op;
+    push_owed(pending, op);
     ++pending_count;
 }
 
 void srq_state::unlink(wr_op* op) noexcept {
-    if (op->prev)
-        op->prev->next = op->next;
-    else
-        pending = op->next;
-    if (op->next) op->next->prev = op->prev;
-    op->prev = op->next = nullptr;
+    remove_owed(pending, op);
     --pending_count;
 }
 

@@ -44,24 +44,26 @@ std::uint32_t initial_psn(std::uint32_t qpn) noexcept {
 
 } // namespace
 
+ibv_qp_init_attr rc_init_attr(ibv_cq* send_cq, ibv_cq* recv_cq, const qp_caps& caps,
+                              ibv_srq* srq) noexcept {
+    ibv_qp_init_attr init{};
+    init.send_cq = send_cq;
+    init.recv_cq = recv_cq;
+    init.qp_type = IBV_QPT_RC;
+    init.cap.max_send_wr = caps.max_send_wr;
+    init.cap.max_recv_wr = srq != nullptr ? 0 : caps.max_recv_wr;
+    init.cap.max_send_sge = caps.max_send_sge;
+    init.cap.max_recv_sge = srq != nullptr ? 0 : caps.max_recv_sge;
+    init.cap.max_inline_data = caps.max_inline_data;
+    init.srq = srq;
+    return init;
+}
+
 queue_pair::queue_pair(const protection_domain& pd, const completion_queue& send_cq,
                        const completion_queue& recv_cq, const qp_caps& caps, bool sq_sig_all,
                        ibv_srq* srq) {
-    ibv_qp_init_attr init{};
-    init.send_cq = send_cq.native();
-    init.recv_cq = recv_cq.native();
-    init.qp_type = IBV_QPT_RC;
+    ibv_qp_init_attr init = rc_init_attr(send_cq.native(), recv_cq.native(), caps, srq);
     init.sq_sig_all = sq_sig_all ? 1 : 0;
-    init.cap.max_send_wr = caps.max_send_wr;
-    init.cap.max_recv_wr = caps.max_recv_wr;
-    init.cap.max_send_sge = caps.max_send_sge;
-    init.cap.max_recv_sge = caps.max_recv_sge;
-    init.cap.max_inline_data = caps.max_inline_data;
-    if (srq != nullptr) {
-        init.srq = srq;
-        init.cap.max_recv_wr = 0;
-        init.cap.max_recv_sge = 0;
-    }
 
     errno = 0;
     ibv_qp* raw = ibv_create_qp(pd.native(), &init);

@@ -68,6 +68,12 @@ struct rts_params {
     std::uint8_t max_rd_atomic = 1;
 };
 
+// The ibv_qp_init_attr of an RC QP on these CQs with `caps` (and, with `srq`, its receives
+// from that shared receive queue: the caps' receive sizes are then 0), as queue_pair and
+// cm_id::create_qp (rdma_create_qp) both create it.
+ibv_qp_init_attr rc_init_attr(ibv_cq* send_cq, ibv_cq* recv_cq, const qp_caps& caps,
+                              ibv_srq* srq = nullptr) noexcept;
+
 // RAII, move-only owner of an RC ibv_qp.
 //
 // Ownership: holds shares of its PD and both CQs, so those stay alive while the QP exists. Memory

@@ -37,6 +37,23 @@ struct wr_op {
     wr_op* next = nullptr;
 };
 
+// The requests owed a completion: an intrusive doubly linked list of wr_ops from `head`
+// (a qp's and an srq's each count theirs beside it).
+inline void push_owed(wr_op*& head, wr_op* op) noexcept {
+    op->prev = nullptr;
+    op->next = head;
+    if (head) head->prev = op;
+    head = op;
+}
+inline void remove_owed(wr_op*& head, wr_op* op) noexcept {
+    if (op->prev)
+        op->prev->next = op->next;
+    else
+        head = op->next;
+    if (op->next) op->next->prev = op->prev;
+    op->prev = op->next = nullptr;
+}
+
 // wr_id values with the top bit set belong to ringverbs' per-request awaits; bit 62 marks the
 // last request of a chain, whose completion ends the await. Other wr_ids go to cq::next().
 inline constexpr std::uint64_t wr_tag_ours = std::uint64_t{1} << 63;
