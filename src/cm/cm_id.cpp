@@ -277,7 +277,7 @@ cm_id_state::~cm_id_state() {
     backlog.clear();
     if (unanswered) rdma_reject(id, nullptr, 0);
     rdma_destroy_id(id);
-    std::erase(channel->ids, this);
+    if (listed) std::erase(channel->ids, this);
 }
 
 void cm_id_state::fail_all(int err) noexcept {
@@ -334,6 +334,41 @@ cm_id& cm_id::operator=(cm_id&& other) noexcept {
         state_ = std::move(other.state_);
     }
     return *this;
+}
+
+cm_id::in_transit cm_id::migrate(cm_channel& target) && {
+    if (!state_) throw_system_error(EINVAL, "cm_id::migrate (an empty handle)");
+    detail::cm_id_state& s = *state_;
+    if (s.id->qp != nullptr || !s.step_waiters.empty() || !s.accept_waiters.empty() ||
+        !s.disconnect_waiters.empty() || !s.backlog.empty())
+        throw_system_error(EBUSY, "cm_id::migrate (the id has a qp, a waiter or a backlog)");
+    if (s.error != 0) throw_system_error(s.error, "cm_id::migrate");
+    // Leave the old channel first: once rdma_migrate_id returns, target's thread may dispatch
+    // an event of the id, and nothing here touches the state after that. Every event the old
+    // channel read was dispatched and acked on this thread, so rdma_migrate_id does not wait.
+    std::shared_ptr<detail::cm_channel_state> from = s.channel;
+    std::erase(from->ids, &s);
+    s.listed = false;
+    s.channel = target.state_;
+    errno = 0;
+    if (rdma_migrate_id(s.id, target.state_->channel.get()) != 0) {
+        const int err = errno != 0 ? errno : EIO;
+        s.channel = std::move(from);
+        s.channel->ids.push_back(&s);
+        s.listed = true;
+        throw_system_error(err, "rdma_migrate_id");
+    }
+    return in_transit(std::move(state_));
+}
+
+cm_id::cm_id(cm_channel& target, in_transit&& moving) {
+    if (!moving.state_ || moving.state_->channel != target.state_)
+        throw_system_error(EINVAL, "cm_id::adopt (not migrated to this channel)");
+    detail::cm_id_state& s = *moving.state_;
+    s.channel->ids.push_back(&s); // may throw bad_alloc: `moving` still owns the id
+    s.listed = true;
+    if (s.channel->error != 0) s.error = s.channel->error;
+    state_ = std::move(moving.state_);
 }
 
 verbs::context cm_id::device() const {

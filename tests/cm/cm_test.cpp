@@ -15,10 +15,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace rt;
@@ -471,4 +473,102 @@ TEST_CASE("two coroutines await disconnected(): the first destroys the id, the s
     };
     io.run(when_all(server(), client()));
     CHECK(ended == 2);
+}
+
+TEST_CASE("migrate: a listener's thread hands an accepted request to a worker thread, whose "
+          "channel then gets its events (accept, echo, disconnect all on the worker)") {
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20882);
+    std::promise<cm_channel*> ready;
+    std::promise<cm_id::in_transit> handed;
+    std::uint32_t worker_echoed = 0;
+    std::uint64_t worker_events = 0;
+    bool worker_saw_disconnect = false;
+    std::string worker_failed;
+    std::thread worker([&] {
+        try {
+            io_context wio;
+            cm_channel wchannel(wio);
+            ready.set_value(&wchannel);
+            std::optional<cm_id::in_transit> moving(handed.get_future().get());
+            auto serve = [&]() -> task<std::uint32_t> {
+                cm_id conn(wchannel, std::move(*moving));
+                verbs::context dev = conn.device();
+                verbs::protection_domain pd(dev);
+                channel comp(wio, dev);
+                cq completions(comp);
+                region in(pd, 4096);
+                qp q = conn.make_qp(pd, completions, completions);
+                auto r = q.recv(in.all());
+                r.post();
+                co_await conn.accept_connection({}, wait_options(10s));
+                ibv_wc wc = co_await r;
+                co_await q.send(in.local(0, wc.byte_len));
+                co_await conn.disconnected(wait_options(10s));
+                worker_saw_disconnect = conn.is_disconnected();
+                co_return wc.byte_len;
+            };
+            worker_echoed = wio.run(serve());
+            worker_events = wchannel.events();
+        } catch (const std::exception& e) {
+            worker_failed = e.what();
+        }
+    });
+    cm_channel* target = ready.get_future().get();
+
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq completions(comp);
+    region out(pd, 4096), back(pd, 4096);
+    fill(out.bytes, 31);
+    auto hand_over = [&]() -> task<void> {
+        cm_id conn = co_await listener.accept(wait_options(10s));
+        handed.set_value(std::move(conn).migrate(*target));
+        CHECK(!conn); // the handle went with the id
+    };
+    bool refused_with_qp = false;
+    auto client = [&]() -> task<std::uint32_t> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, completions, completions);
+        try {
+            cm_id::in_transit no = std::move(id).migrate(*target);
+        } catch (const std::system_error& e) {
+            refused_with_qp = errc_of(e) == std::errc::device_or_resource_busy &&
+                              std::string(e.what()).find("cm_id::migrate") != std::string::npos;
+        }
+        auto r = q.recv(back.all());
+        r.post();
+        co_await id.connect({}, wait_options(10s));
+        co_await q.send(out.local(0, 1000));
+        ibv_wc wc = co_await r;
+        co_await id.disconnect(wait_options(10s));
+        co_return wc.byte_len;
+    };
+    std::uint32_t echoed = 0;
+    try {
+        auto [done, len] = io.run(when_all(hand_over(), client()));
+        (void)done;
+        echoed = len;
+    } catch (...) {
+        handed = {}; // unblocks the worker (broken promise) before the join
+        worker.join();
+        throw;
+    }
+    worker.join();
+    CHECK(worker_failed == "");
+    CHECK(refused_with_qp);
+    CHECK(worker_echoed == 1000);
+    CHECK(echoed == 1000);
+    CHECK(std::memcmp(back.bytes.data(), out.bytes.data(), 1000) == 0);
+    CHECK(worker_saw_disconnect);
+    // ESTABLISHED and DISCONNECTED of the migrated id came through the worker's channel.
+    CHECK(worker_events >= 2);
+    MESSAGE("worker channel events " << worker_events << ", listener's channel "
+                                     << events.events());
 }

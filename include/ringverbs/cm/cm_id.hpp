@@ -115,6 +115,21 @@ class cm_id {
     // The local port in host order (after listen, or once connected).
     std::uint16_t local_port() const noexcept;
 
+    class in_transit;
+
+    // Moves the id to another cm_channel, usually another thread's (a listener's thread handing
+    // accepted requests to worker threads): rdma_migrate_id sends every later event of the id
+    // to `target`, so its steps resume there. Call on this id's thread, for an id with no qp
+    // and nothing awaited (an accepted request before it is answered, or a new id); then carry
+    // the result to target's thread and adopt it there with cm_id(target, std::move(moving)).
+    // Events that arrive in between are kept (a disconnect is sticky). Throws
+    // std::system_error: EBUSY naming cm_id::migrate (a qp, a waiter, or a listener's
+    // backlog), or rdma_migrate_id's errno; the id then stays where it was.
+    in_transit migrate(cm_channel& target) &&;
+    // Adopts an id migrated to `target`, on target's thread. Throws std::system_error(EINVAL)
+    // naming cm_id::adopt when `moving` is empty or was migrated to another channel.
+    cm_id(cm_channel& target, in_transit&& moving);
+
     class accept_awaitable;
     class step_awaitable;
     class connect_awaitable;
@@ -192,6 +207,23 @@ class cm_id {
                                           std::optional<detail::cm_event_data>& result);
     static void start_disconnect(detail::cm_id_state& s);
 
+    std::shared_ptr<detail::cm_id_state> state_;
+};
+
+// An id between two channels (cm_id::migrate): movable, and for nothing but adoption by
+// cm_id(target, std::move(moving)) on the target's thread. Dropped un-adopted, it destroys the
+// id (an unanswered request is rejected): do that on the target's thread too.
+class cm_id::in_transit {
+  public:
+    in_transit(in_transit&&) noexcept = default;
+    in_transit& operator=(in_transit&&) noexcept = default;
+    in_transit(const in_transit&) = delete;
+    in_transit& operator=(const in_transit&) = delete;
+    ~in_transit() = default;
+
+  private:
+    friend class cm_id;
+    explicit in_transit(std::shared_ptr<detail::cm_id_state> s) noexcept : state_(std::move(s)) {}
     std::shared_ptr<detail::cm_id_state> state_;
 };
 

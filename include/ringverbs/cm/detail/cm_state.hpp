@@ -96,6 +96,7 @@ struct cm_id_state {
     std::vector<std::byte> request_data; // private data of the connection request
     int error = 0;                       // ENODEV after DEVICE_REMOVAL, or the channel's error
     bool closed = false;                 // the user's handle is gone
+    bool listed = true;                  // in channel->ids (not while migrating to another channel)
 
     // Takes ownership of `raw` (rdma_destroy_id when the last share goes), sets its context
     // and joins the channel's ids. Throws std::bad_alloc, leaving `raw` to the caller.
