@@ -1,15 +1,27 @@
-// echo_server: every message a client SENDs comes back unchanged with a SEND. All on one
-// io_context: rdma_cm events, completions and signals all arrive through its io_uring ring.
+// echo_server: every message a client SENDs comes back unchanged with a SEND. Each thread is
+// one io_context: rdma_cm events, completions and signals all arrive through its io_uring ring.
 //
 //   echo_server [--address IP] [--port N] [--device NAME] [--max-size BYTES] [--depth N]
 //               [--mode events|hybrid|busy] [--max-connections N] [--idle-timeout SECONDS]
+//               [--threads N] [--srq-depth N | --no-srq]
 //
-// Each connection gets its own CQ, QP and a registered pool of --depth buffers of --max-size
-// bytes, all posted as receives before the connection is accepted. Each buffer has its own
-// coroutine, which receives a message into it and sends it back from it:
+// By default every thread receives through one shared receive queue (SRQ) per device, with a
+// registered pool of --srq-depth / --threads buffers of --max-size bytes, and one CQ for its
+// connections' sends and receives: registered memory does not grow with connections. Each
+// buffer has its own coroutine, which receives a message into it, from any connection, and
+// sends it back from it on that connection:
 //
-//   ibv_wc received = co_await qp.recv(buffer);  // resumes on this receive's own completion
-//   co_await qp.send(message);                   // (its byte_len bytes) and on this send's
+//   ibv_wc received = co_await srq.recv(buffer); // resumes on this receive's own completion,
+//   co_await qp.send(message);                   // which names the QP; then on this send's
+//
+// With --no-srq each connection gets its own CQ, QP and a pool of --depth buffers, all posted
+// as receives before the connection is accepted, one coroutine per buffer likewise
+// (co_await qp.recv(buffer)).
+//
+// --threads N: N threads, each with its own io_context, completion channel, rdma_cm channel and
+// SRQ + CQ. The main thread (one of the N) listens, and hands every accepted request to the
+// thread serving the fewest connections: cm_id::migrate moves it to that thread's rdma_cm
+// channel, where the connection lives until it closes.
 //
 // A connection that fails (the client vanished, sent more than --max-size, ...) or stays
 // silent for --idle-timeout seconds is closed and its resources released; the others go on.
@@ -32,11 +44,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 using namespace ringverbs;
@@ -47,7 +63,7 @@ namespace {
 const char* const usage =
     "usage: echo_server [--address IP] [--port N] [--device NAME] [--max-size BYTES] [--depth N]\n"
     "                   [--mode events|hybrid|busy] [--max-connections N]\n"
-    "                   [--idle-timeout SECONDS]\n"
+    "                   [--idle-timeout SECONDS] [--threads N] [--srq-depth N | --no-srq]\n"
     "  --address   IPv4 or IPv6 address to listen on (default 0.0.0.0: every RDMA device)\n"
     "  --port      port (default 18515)\n"
     "  --device    serve only connections arriving on this RDMA device (default: any)\n"
@@ -58,8 +74,12 @@ const char* const usage =
     "              reason \"busy: N connections\" (default 1024; 0: no limit)\n"
     "  --idle-timeout  close a connection that sent no message for this many seconds\n"
     "              (default 60; 0: never)\n"
-    "  --srq 1     receive through one shared receive queue per device (--srq-depth buffers,\n"
-    "              default 1024): registered memory does not grow with connections\n";
+    "  --threads   threads serving connections, each with its own ring, channels and shared\n"
+    "              receive queue (default 1)\n"
+    "  --srq-depth buffers of the shared receive queues, split over the threads (default 4096:\n"
+    "              16 MiB registered with --max-size 4096, whatever the connections)\n"
+    "  --no-srq    no shared receive queue: each connection gets its own CQ and --depth\n"
+    "              receives (--depth * --max-size bytes registered per connection)\n";
 
 struct server_options {
     std::string address = "0.0.0.0";
@@ -70,13 +90,14 @@ struct server_options {
     polling_mode mode = polling_mode::events;
     std::uint32_t max_connections = 1024; // 0: no limit
     std::uint32_t idle_timeout = 60;      // seconds; 0: never
-    bool srq = false;                     // receive through one shared receive queue per device
-    std::uint32_t srq_depth = 1024;       // its buffers
+    bool srq = true;                      // receive through one shared receive queue per device
+    std::uint32_t srq_depth = 4096;       // their buffers, over all threads
+    std::uint32_t threads = 1;
 };
 
 class connection;
 
-// --srq: one shared receive queue of the device with its registered pool of buffers, and one CQ
+// One shared receive queue of the device with its registered pool of buffers, and one CQ
 // for every connection's sends and receives: registered memory does not grow with connections.
 struct shared_receives {
     cq completions;
@@ -92,33 +113,56 @@ struct shared_receives {
           pool(std::size_t{depth} * max_size), mr(pd, pool) {}
 };
 
-// What connections of one device share: its protection domain, completion channel, the watch
-// on its asynchronous events (a port going down, a CQ overrun, a fatal QP error, the shared
-// receive queue running low), and with --srq the shared receives.
+// What one thread's connections of one device share: its protection domain, completion
+// channel, and (unless --no-srq) the shared receives.
 struct device_resources {
     verbs::context context;
     verbs::protection_domain pd{context};
     channel completion_channel;
-    device_events device_watch;
     std::unique_ptr<shared_receives> shared;
     device_resources(io_context& io, verbs::context device, polling_mode mode)
         : context(std::move(device)),
-          completion_channel(io, context, channel_options{.mode = mode}),
-          device_watch(io, context) {}
+          completion_channel(io, context, channel_options{.mode = mode}) {}
 };
 
-// What the whole server shares: the rdma_cm event channel, each device's resources, the stop
-// that SIGINT/SIGTERM requests, and the counts for the log.
+struct echo_server;
+
+// One thread's share of the connections: its io_context, its rdma_cm channel (where the ids of
+// its connections live: the accept loop migrates them here), its resources per device, and
+// its counts. Worker 0 is the main thread, whose channel is the listener's.
+struct worker {
+    echo_server& server;
+    int index = 0;
+    io_context* io = nullptr; // set before the accept loop runs, by the worker's thread
+    cm_channel* cm = nullptr;
+    std::map<ibv_context*, std::unique_ptr<device_resources>> devices;
+    std::atomic<int> open{0}; // connections handed to it whose resources are not yet released
+    int served = 0;           // what it did (read after its thread ended)
+    std::uint64_t messages = 0, bytes = 0;
+    // Migrated ids the accept loop handed over, not yet adopted by the worker's thread.
+    struct handoff {
+        cm_id::in_transit id;
+        int number;
+    };
+    std::mutex inbox_lock;
+    std::vector<handoff> inbox;
+    std::thread thread; // none for worker 0
+    worker(echo_server& server, int index) : server(server), index(index) {}
+};
+
+// What the whole server shares: the rdma_cm event channel of the listener, the watch on each
+// device's asynchronous events (a port going down, a CQ overrun, a fatal QP error), the
+// workers, the stop that SIGINT/SIGTERM requests, and the counts for the log.
 struct echo_server {
     echo_server(io_context& io, server_options options) : io(io), options(std::move(options)) {}
     io_context& io;
     server_options options;
     cm_channel cm{io};
-    std::map<ibv_context*, std::unique_ptr<device_resources>> devices;
+    std::map<ibv_context*, std::unique_ptr<device_events>> device_watches;
+    std::vector<std::unique_ptr<worker>> workers;
     std::stop_source stopping;
-    int open = 0, served = 0;              // connections (open: admitted, resources not yet freed)
-    std::uint64_t rejected = 0;            // requests rejected as over --max-connections
-    std::uint64_t messages = 0, bytes = 0; // echoed by the connections closed so far
+    std::atomic<int> open{0};   // connections admitted whose resources are not yet freed
+    std::uint64_t rejected = 0; // requests rejected as over --max-connections
 };
 
 // How a connection ended, for its log line.
@@ -129,19 +173,19 @@ struct summary {
 
 // One client's connection: a pool of buffers, its CQ and QP. Every buffer has its own echo
 // loop, a coroutine that receives a message into it and sends it back from it, again and
-// again; the first failure closes the connection and ends the other loops. With --srq the
-// connection has no buffers or CQ of its own: the device's shared_echo_loops receive for every
-// connection and echo through echo_shared().
+// again; the first failure closes the connection and ends the other loops. With the SRQ (the
+// default) the connection has no buffers or CQ of its own: the device's shared_echo_loops receive
+// for every connection and echo through echo_shared().
 class connection {
   public:
     // Throws std::system_error naming the verb that failed (memory region, CQ, QP).
-    connection(echo_server& server, device_resources& device, cm_id id);
+    connection(worker& owner, device_resources& device, cm_id id);
 
     // Accepts the client and echoes until the connection is closed. When it returns, no
     // request is owed a completion: the connection may be destroyed.
     task<summary> serve();
 
-    // --srq, for the device's shared loops: a message arrived for this connection; its echo
+    // With the SRQ, for the device's shared loops: a message arrived for this connection; its echo
     // (the await may outlive the connection: look it up again after); what the echo did; a
     // failure that closes the connection (through its own watch, which outlives the close).
     bool closing() const noexcept { return closing_; }
@@ -169,11 +213,12 @@ class connection {
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
     qp make_qp();
 
+    worker& worker_;
     echo_server& server_;
     device_resources& device_;
     cm_id id_;
     const std::uint32_t max_size_; // bytes of each buffer: the largest message taken
-    const std::uint32_t depth_;    // buffers, each with its own echo loop (0 with --srq)
+    const std::uint32_t depth_;    // buffers, each with its own echo loop (0 with the SRQ)
     std::vector<std::byte> pool_;  // declared before the QP, so that it outlives it
     std::optional<verbs::memory_region> mr_;
     std::optional<cq> completions_;
@@ -184,7 +229,7 @@ class connection {
     std::stop_source
         ending_; // requested by close() and fail(): ends the idle and disconnect watches
     std::optional<std::string> failure_; // fail()'s reason
-    // --srq: no receive of this connection carries the server's stop, so the stop ends the
+    // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the
     // watches (and watch_disconnect closes the connection).
     struct request_stop_of {
         std::stop_source* source;
@@ -195,12 +240,12 @@ class connection {
     std::size_t never_flushed_ = 0; // requests the device never flushed after the close
 };
 
-connection::connection(echo_server& server, device_resources& device, cm_id id)
-    : server_(server), device_(device), id_(std::move(id)), max_size_(server.options.max_size),
-      depth_(device.shared ? 0 : server.options.depth), pool_(std::size_t{depth_} * max_size_),
-      qp_(make_qp()) {}
+connection::connection(worker& owner, device_resources& device, cm_id id)
+    : worker_(owner), server_(owner.server), device_(device), id_(std::move(id)),
+      max_size_(server_.options.max_size), depth_(device.shared ? 0 : server_.options.depth),
+      pool_(std::size_t{depth_} * max_size_), qp_(make_qp()) {}
 
-// Its own buffers and CQ, or (--srq) the device's shared receive queue and CQ. A shared CQ
+// Its own buffers and CQ (--no-srq), or the device's shared receive queue and CQ. A shared CQ
 // serves up to --max-connections QPs: their queues together may exceed it, hence the
 // overcommit (a QP error flushes at most its --depth sends).
 qp connection::make_qp() {
@@ -294,7 +339,7 @@ task<void> connection::watch_idle() {
         if (quiet >= limit) break;
         bool ended = false;
         try {
-            co_await sleep_for(server_.io, limit - quiet, ending_.get_token());
+            co_await sleep_for(*worker_.io, limit - quiet, ending_.get_token());
         } catch (const std::system_error&) {
             ended = true; // closed for another reason (a co_await may not be in a handler)
         }
@@ -306,7 +351,7 @@ task<void> connection::watch_idle() {
 
 // Awaits the client's disconnect (DREQ, or its CM gone) alongside the completions: the QP is
 // then in the error state, but only qp::to_error() arms the bound on its flushes, so a DREQ
-// whose flushes never come still closes the connection, within flush_timeout. With --srq
+// whose flushes never come still closes the connection, within flush_timeout. With the SRQ
 // it also closes the connection for a failure the shared loops reported (fail()).
 task<void> connection::watch_disconnect() {
     bool gone = true;
@@ -384,47 +429,51 @@ local_buffer connection::buffer(std::uint32_t slot, std::uint32_t length) {
     return local_buffer(*mr_, std::span(pool_).subspan(std::size_t{slot} * max_size_, length));
 }
 
-// Serves one connection from its accept to its log line.
-task<void> serve(echo_server& server, device_resources& device, cm_id id, int number) {
+// Serves one connection, on its worker's thread, from its accept to its log line.
+task<void> serve(worker& owner, device_resources& device, cm_id id, int number) {
+    echo_server& server = owner.server;
     const std::string peer = echo::text_of(rdma_get_peer_addr(id.native()));
-    summary result; // (server.open was counted by the accept loop, which admitted it)
+    summary result; // (the opens were counted by the accept loop, which admitted it)
     try {
-        connection client(server, device, std::move(id));
+        connection client(owner, device, std::move(id));
         result = co_await client.serve();
     } catch (const std::exception& e) {
         result.why = e.what();
     }
-    --server.open;
-    ++server.served;
-    server.messages += result.messages;
-    server.bytes += result.bytes;
+    ++owner.served;
+    owner.messages += result.messages;
+    owner.bytes += result.bytes;
+    const int open = --server.open;
+    const std::string thread =
+        server.options.threads > 1 ? " (thread " + std::to_string(owner.index) + ")" : "";
     std::printf("echo_server: connection %d from %s closed (%s) after %llu messages, %llu bytes; "
-                "its QP, CQ and MR released; %d open\n",
+                "its resources released%s; %d open\n",
                 number, peer.c_str(), result.why.c_str(),
                 static_cast<unsigned long long>(result.messages),
-                static_cast<unsigned long long>(result.bytes), server.open);
+                static_cast<unsigned long long>(result.bytes), thread.c_str(), open);
     std::fflush(stdout);
+    --owner.open; // last: the worker's end waits for it
 }
 
 // Logs the device's asynchronous events until the server stops. The runtime has already
-// routed each one (a CQ overrun fails that CQ, a fatal QP error flushes that QP), so the
-// connection concerned ends on its own.
-task<void> log_device_events(echo_server& server, device_resources& device) {
+// routed each one of the main thread's objects (a CQ overrun fails that CQ, a fatal QP error
+// flushes that QP), so the connection concerned ends on its own; another thread's QP is moved
+// to the error state by the device itself.
+task<void> log_device_events(echo_server& server, device_events& watch, std::string name) {
     for (;;) {
         async_event event;
         try {
-            event = co_await device.device_watch.next(wait_options(server.stopping.get_token()));
+            event = co_await watch.next(wait_options(server.stopping.get_token()));
         } catch (const std::system_error&) {
             co_return; // shutting down
         }
-        const std::string_view name = device.context.name();
         std::printf("echo_server: device %.*s: %s%s\n", static_cast<int>(name.size()), name.data(),
                     event.name(), event.routed ? " (its connection is closed)" : "");
         std::fflush(stdout);
     }
 }
 
-// --srq: one buffer of the device's shared pool. Its receive may be taken by any connection's
+// One buffer of the device's shared pool. Its receive may be taken by any connection's
 // QP (the completion names it); the message is echoed from the buffer on that connection, then
 // the buffer is posted again. Ends when the shared queue goes (its receive is flushed with no QP
 // named), at the server's end.
@@ -479,53 +528,116 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
     }
 }
 
-// --srq, at the server's end: once every connection is gone (their QPs too) and no shared loop
-// is inside a send, drops each device's shared receive queue; its last owner (the last QP
-// state, once its flushes came) flushes the receives still posted, which ends the shared loops,
-// and io_context::run() returns. The rest of the shared receives goes with the server.
-task<void> retire_shared_receives(echo_server& server) {
+// A worker's life until the server's end: it keeps the worker's io_context running until the
+// stop, then waits until every connection handed to the worker is gone (their QPs too) and no
+// shared loop is inside a send, and drops each shared receive queue; its last owner (the last
+// QP state, once its flushes came) flushes the receives still posted, which ends the shared
+// loops, and io_context::run() returns. The rest of the shared receives goes with the worker.
+task<void> retire(worker& owner) {
     try {
         for (;;)
-            co_await sleep_for(server.io, std::chrono::hours(1), server.stopping.get_token());
+            co_await sleep_for(*owner.io, std::chrono::hours(1), owner.server.stopping.get_token());
     } catch (const std::system_error&) {
         // the stop: SIGINT, SIGTERM, or the accept loop failing
     }
     const auto busy = [&] {
-        if (server.open > 0) return true;
-        for (auto& [native, device] : server.devices)
+        if (owner.open > 0) return true;
+        for (auto& [native, device] : owner.devices)
             if (device->shared && device->shared->sending > 0) return true;
         return false;
     };
     while (busy())
-        co_await sleep_for(server.io, std::chrono::milliseconds(10));
-    for (auto& [native, device] : server.devices)
+        co_await sleep_for(*owner.io, std::chrono::milliseconds(10));
+    for (auto& [native, device] : owner.devices)
         if (device->shared) device->shared->queue.reset();
 }
 
-device_resources& resources_for(echo_server& server, verbs::context context) {
-    auto& resources = server.devices[context.native()];
+// The worker's PD, completion channel and shared receives for `context`, made at its first
+// connection on that device (on the worker's thread).
+device_resources& resources_for(worker& owner, verbs::context context) {
+    auto& resources = owner.devices[context.native()];
     if (!resources) {
-        const server_options& options = server.options;
-        resources = std::make_unique<device_resources>(server.io, std::move(context), options.mode);
-        server.io.spawn(log_device_events(server, *resources));
+        const server_options& options = owner.server.options;
+        resources = std::make_unique<device_resources>(*owner.io, std::move(context), options.mode);
         if (options.srq) {
-            // Every connection's sends (--depth each) and the shared receives on one CQ, within
-            // what the device allows.
+            // This thread's share of the buffers; every connection's sends (--depth each) and
+            // the shared receives on one CQ, within what the device allows.
+            const std::uint32_t depth =
+                std::max<std::uint32_t>(options.srq_depth / options.threads, 1);
             ibv_device_attr attr{};
             const int max_cqe =
                 ibv_query_device(resources->context.native(), &attr) == 0 ? attr.max_cqe : 4096;
             const std::uint64_t want =
-                std::uint64_t{options.srq_depth} +
+                std::uint64_t{depth} +
                 std::uint64_t{options.depth} * std::max<std::uint32_t>(options.max_connections, 64);
             const int entries = static_cast<int>(std::min<std::uint64_t>(want, max_cqe));
-            resources->shared = std::make_unique<shared_receives>(
-                server.io, resources->completion_channel, resources->pd, entries, options.srq_depth,
-                options.max_size);
-            for (std::uint32_t slot = 0; slot < options.srq_depth; ++slot)
-                server.io.spawn(shared_echo_loop(*resources, slot, options.max_size));
+            resources->shared =
+                std::make_unique<shared_receives>(*owner.io, resources->completion_channel,
+                                                  resources->pd, entries, depth, options.max_size);
+            for (std::uint32_t slot = 0; slot < depth; ++slot)
+                owner.io->spawn(shared_echo_loop(*resources, slot, options.max_size));
         }
     }
     return *resources;
+}
+
+// The main thread logs each device's asynchronous events (one watch per device: the threads'
+// QPs are all on librdmacm's one context of it).
+void watch_device(echo_server& server, const verbs::context& device) {
+    auto& watch = server.device_watches[device.native()];
+    if (!watch) {
+        watch = std::make_unique<device_events>(server.io, device);
+        server.io.spawn(log_device_events(server, *watch, std::string(device.name())));
+    }
+}
+
+// On the worker's thread: adopts the ids the accept loop migrated to it and serves them.
+void adopt_handed_over(worker& owner) {
+    std::vector<worker::handoff> taken;
+    {
+        std::lock_guard lock(owner.inbox_lock);
+        taken.swap(owner.inbox);
+    }
+    for (worker::handoff& h : taken) {
+        try {
+            cm_id id(*owner.cm, std::move(h.id));
+            verbs::context device = id.device();
+            owner.io->spawn(
+                serve(owner, resources_for(owner, std::move(device)), std::move(id), h.number));
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: connection %d: %s\n", h.number, e.what());
+            --owner.server.open;
+            --owner.open;
+        }
+    }
+}
+
+// Admits a request: serves it on the thread with the fewest connections; on another thread
+// than this one, the id migrates to that thread's rdma_cm channel first.
+void admit(echo_server& server, cm_id request, verbs::context device, int number) {
+    worker* least = server.workers.front().get();
+    for (auto& w : server.workers)
+        if (w->open < least->open) least = w.get();
+    ++server.open;
+    ++least->open;
+    if (least->index == 0) {
+        server.io.spawn(
+            serve(*least, resources_for(*least, std::move(device)), std::move(request), number));
+        return;
+    }
+    try {
+        worker::handoff h{std::move(request).migrate(*least->cm), number};
+        {
+            std::lock_guard lock(least->inbox_lock);
+            least->inbox.push_back(std::move(h));
+        }
+        least->io->post([least] { adopt_handed_over(*least); });
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "echo_server: connection %d not handed to thread %d: %s\n", number,
+                     least->index, e.what());
+        --server.open;
+        --least->open;
+    }
 }
 
 // The accept backlog stays bounded. The kernel holds at most the listen backlog (128, given to
@@ -535,6 +647,7 @@ device_resources& resources_for(echo_server& server, verbs::context context) {
 // (reject, resources_for and spawn do not suspend), so that queue holds at most one read's
 // worth. A request is answered at once: admitted (its connection is spawned, and counted in
 // server.open until its resources are released), or rejected when --max-connections are open.
+// The request goes to the thread serving the fewest connections (admit).
 // Nothing waits in a queue of ours for a connection to close.
 task<void> accept_loop(echo_server& server, cm_id& listener) {
     const std::uint32_t limit = server.options.max_connections;
@@ -555,7 +668,7 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
                 echo::reject_data("not served on device " + std::string(device.name())));
             continue;
         }
-        if (limit != 0 && server.open >= static_cast<int>(limit)) {
+        if (limit != 0 && server.open.load() >= static_cast<int>(limit)) {
             const std::string why =
                 "busy: " + std::to_string(limit) + " connections, the server's limit";
             ++server.rejected;
@@ -571,9 +684,8 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
             --number;
             continue;
         }
-        ++server.open;
-        server.io.spawn(
-            serve(server, resources_for(server, std::move(device)), std::move(*request), number));
+        watch_device(server, device);
+        admit(server, std::move(*request), std::move(device), number);
     }
 }
 
@@ -582,7 +694,7 @@ task<void> watch_signals(echo_server& server, int fd) {
         co_await echo::next_signal(server.io, fd, server.stopping.get_token());
     if (signal_number != 0) {
         std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number),
-                    server.open);
+                    server.open.load());
         std::fflush(stdout);
         server.stopping.request_stop();
     }
@@ -594,6 +706,10 @@ server_options parse(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
         const std::string flag = argv[i];
         if (flag == "--help" || flag == "-h") throw echo::usage_error("");
+        if (flag == "--no-srq") {
+            options.srq = false;
+            continue;
+        }
         if (i + 1 >= argc) throw echo::usage_error(flag + " needs a value (or is unknown)");
         const std::string value = argv[++i];
         if (flag == "--address")
@@ -611,8 +727,8 @@ server_options parse(int argc, char** argv) {
         else if (flag == "--max-connections")
             options.max_connections =
                 static_cast<std::uint32_t>(echo::number(flag, value, 0, 1u << 20));
-        else if (flag == "--srq")
-            options.srq = echo::number(flag, value, 0, 1) == 1;
+        else if (flag == "--threads")
+            options.threads = static_cast<std::uint32_t>(echo::number(flag, value, 1, 64));
         else if (flag == "--srq-depth")
             options.srq_depth = static_cast<std::uint32_t>(echo::number(flag, value, 1, 1u << 20));
         else if (flag == "--idle-timeout")
@@ -634,28 +750,73 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     } catch (const std::system_error& e) {
         throw std::runtime_error("cannot listen on " + echo::text_of(at) + ": " + e.what());
     }
-    // Bound to one device's address: its PD and channel now, so the first client waits less.
-    if (listener.native()->verbs != nullptr) resources_for(server, listener.device());
+    // Bound to one device's address: its watch, and the main thread's PD and channel now, so
+    // the first client waits less.
+    if (listener.native()->verbs != nullptr) {
+        watch_device(server, listener.device());
+        resources_for(*server.workers.front(), listener.device());
+    }
     const server_options& options = server.options;
     const std::string most =
         options.max_connections ? std::to_string(options.max_connections) : "no limit";
     const std::string idle =
         options.idle_timeout ? std::to_string(options.idle_timeout) + " s" : "never";
+    const std::uint32_t per_thread =
+        std::max<std::uint32_t>(options.srq_depth / options.threads, 1);
     const std::string receives =
         options.srq
-            ? "a shared receive queue of " + std::to_string(options.srq_depth) +
-                  " buffers per device (" +
-                  std::to_string(std::uint64_t{options.srq_depth} * options.max_size >> 10) +
+            ? "a shared receive queue of " + std::to_string(per_thread) +
+                  " buffers per device and thread (" +
+                  std::to_string(std::uint64_t{per_thread} * options.threads * options.max_size >>
+                                 10) +
                   " KiB registered, whatever the connections)"
             : std::to_string(options.depth) + " receives per connection (" +
                   std::to_string(std::uint64_t{options.depth} * options.max_size >> 10) +
                   " KiB registered each)";
     std::printf("echo_server: listening on %s (messages up to %u bytes, %s, %s mode; connections "
-                "at most %s, closed when idle %s)\n",
+                "at most %s, closed when idle %s; %u thread(s))\n",
                 echo::text_of(at).c_str(), options.max_size, receives.c_str(),
-                echo::mode_name(options.mode), most.c_str(), idle.c_str());
+                echo::mode_name(options.mode), most.c_str(), idle.c_str(), options.threads);
     std::fflush(stdout);
     return listener;
+}
+
+// Starts workers 1..N-1, each on its own thread with its own io_context and rdma_cm channel,
+// running until the server's end (retire). Returns once every one is ready to take
+// connections. Throws what a worker's setup threw.
+void start_workers(echo_server& server) {
+    for (std::uint32_t i = 1; i < server.options.threads; ++i) {
+        auto w = std::make_unique<worker>(server, static_cast<int>(i));
+        std::promise<void> ready;
+        std::future<void> started = ready.get_future();
+        w->thread = std::thread([&owner = *w, &ready] {
+            try {
+                io_context io;
+                cm_channel cm(io);
+                owner.io = &io;
+                owner.cm = &cm;
+                io.spawn(retire(owner));
+                ready.set_value();
+                io.run();
+                owner.devices.clear(); // on this thread, before its channel and ring go
+            } catch (const std::exception& e) {
+                try {
+                    ready.set_exception(std::current_exception());
+                } catch (const std::future_error&) {
+                    // already running: report and leave
+                    std::fprintf(stderr, "echo_server: thread %d: %s\n", owner.index, e.what());
+                }
+            }
+        });
+        server.workers.push_back(std::move(w));
+        started.get();
+    }
+}
+
+// Waits for the workers' threads (after the main thread's ring ran dry: the server stopped).
+void join_workers(echo_server& server) {
+    for (auto& w : server.workers)
+        if (w->thread.joinable()) w->thread.join();
 }
 
 } // namespace
@@ -670,17 +831,36 @@ int main(int argc, char** argv) {
         const int signals = echo::signal_fd();
         io_context io;
         echo_server server(io, options);
+        server.workers.push_back(std::make_unique<worker>(server, 0));
+        server.workers.front()->io = &io;
+        server.workers.front()->cm = &server.cm;
         cm_id listener = listen_on(server, address);
+        try {
+            start_workers(server);
+        } catch (...) {
+            server.stopping.request_stop();
+            join_workers(server);
+            throw;
+        }
         io.spawn(watch_signals(server, signals));
         io.spawn(accept_loop(server, listener));
-        if (options.srq) io.spawn(retire_shared_receives(server));
-        io.run(); // until a signal: the accept loop, then every connection, then the signal watch
-                  // end
+        io.spawn(retire(*server.workers.front()));
+        // Until a signal: the accept loop, then every connection, then the signal watch end;
+        // then the other threads, once their connections are gone.
+        io.run();
+        join_workers(server);
+        int served = 0;
+        std::uint64_t messages = 0, bytes = 0;
+        for (auto& w : server.workers) {
+            served += w->served;
+            messages += w->messages;
+            bytes += w->bytes;
+        }
         std::printf(
             "echo_server: shut down: %d connection(s) served, %llu messages, %llu bytes echoed, "
             "%llu request(s) rejected as busy\n",
-            server.served, static_cast<unsigned long long>(server.messages),
-            static_cast<unsigned long long>(server.bytes),
+            served, static_cast<unsigned long long>(messages),
+            static_cast<unsigned long long>(bytes),
             static_cast<unsigned long long>(server.rejected));
         ::close(signals);
         return 0;

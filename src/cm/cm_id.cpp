@@ -112,6 +112,46 @@ std::vector<std::byte> copy_private_data(const rdma_cm_event& ev) {
     return std::vector<std::byte>(p, p + ev.param.conn.private_data_len);
 }
 
+// One step of the QP's way to RTS: the attributes rdma_cm computed for `state`, with `adjust`
+// applied. Throws naming the call.
+template <typename Adjust>
+void move_qp(rdma_cm_id* id, ibv_qp_state state, const char* what, Adjust adjust) {
+    ibv_qp_attr attr{};
+    int mask = 0;
+    attr.qp_state = state;
+    errno = 0;
+    cm_check(rdma_init_qp_attr(id, &attr, &mask), "rdma_init_qp_attr");
+    adjust(attr, mask);
+    const int err = ibv_modify_qp(id->qp, &attr, mask);
+    if (err != 0) throw_system_error(err, what);
+}
+
+// rdma_accept, with the QP moved to RTS here rather than by librdmacm: IB CM gives the
+// accepting side's QP the RNR retry count the *connecting* side asked for (its REQ's), so a
+// peer asking for 7 (retry for ever) and never posting a receive would stall our sends for
+// ever. Ours is conn.rnr_retry_count, like the one the REP tells the peer. librdmacm leaves an
+// id without a qp alone in rdma_accept, so the id's qp is hidden from it for that call.
+void accept_with_own_rnr_retry(rdma_cm_id* id, rdma_conn_param& p, const cm_conn_options& conn) {
+    ibv_qp* qp = id->qp;
+    move_qp(id, IBV_QPS_INIT, "ibv_modify_qp(INIT)", [](ibv_qp_attr&, int&) {});
+    move_qp(id, IBV_QPS_RTR, "ibv_modify_qp(RTR)",
+            [&](ibv_qp_attr& a, int&) { a.max_dest_rd_atomic = conn.responder_resources; });
+    move_qp(id, IBV_QPS_RTS, "ibv_modify_qp(RTS)", [&](ibv_qp_attr& a, int& mask) {
+        a.max_rd_atomic = conn.initiator_depth;
+        a.rnr_retry = conn.rnr_retry_count;
+        mask |= IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
+    });
+    p.qp_num = qp->qp_num;
+    p.srq = qp->srq != nullptr ? 1 : 0;
+    id->qp = nullptr;
+    errno = 0;
+    const int ret = rdma_accept(id, &p);
+    const int err = errno;
+    id->qp = qp;
+    errno = err;
+    cm_check(ret, "rdma_accept");
+}
+
 } // namespace
 
 namespace detail {
@@ -428,7 +468,7 @@ void cm_id::begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
     case step::accept_connection: {
         if (s.id->qp == nullptr) throw_system_error(EINVAL, "rdma_accept (the id has no qp)");
         rdma_conn_param p = conn_param(data, conn, "rdma_accept");
-        cm_check(rdma_accept(s.id, &p), "rdma_accept");
+        accept_with_own_rnr_retry(s.id, p, conn);
         s.unanswered = false;
         break;
     }

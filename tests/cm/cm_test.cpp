@@ -572,3 +572,61 @@ TEST_CASE("migrate: a listener's thread hands an accepted request to a worker th
     MESSAGE("worker channel events " << worker_events << ", listener's channel "
                                      << events.events());
 }
+
+TEST_CASE("a client that asks for endless RNR retries (rnr_retry_count 7) and never posts a "
+          "receive: the accepting side's send still ends with RNR, bounded by its own count") {
+    // IB CM hands each side the RNR retry count the *other* side sent (the server's QP gets the
+    // REQ's); accept_connection moves its QP to RTS itself, with its own rnr_retry_count.
+    const std::string ip = test_addr();
+    const sockaddr_in at = addr_at(ip, 20883);
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(at));
+    verbs::context dev = listener.device();
+    verbs::protection_domain pd(dev);
+    channel comp(io, dev);
+    cq cq_server(comp), cq_client(comp);
+    region out(pd, 4096), in(pd, 4096);
+    fill(out.bytes, 9);
+    std::optional<completion_error> failure;
+    bool timed_out = false;
+    std::chrono::steady_clock::duration took{};
+    std::uint32_t client_got = 0;
+    auto server = [&]() -> task<void> {
+        cm_id conn = co_await listener.accept(wait_options(10s));
+        qp q = conn.make_qp(pd, cq_server, cq_server);
+        auto r = q.recv(in.all());
+        r.post();
+        co_await conn.accept_connection({}, wait_options(10s));
+        ibv_wc wc = co_await r; // the client's one message: the connection works
+        client_got = wc.byte_len;
+        const auto start = std::chrono::steady_clock::now();
+        try {
+            co_await q.send(out.local(0, 100), {}, wait_options(60s));
+        } catch (const completion_error& e) {
+            failure = e;
+        } catch (const std::system_error& e) {
+            timed_out = errc_of(e) == std::errc::timed_out;
+        }
+        took = std::chrono::steady_clock::now() - start;
+        co_await conn.disconnect(wait_options(10s));
+    };
+    auto client = [&]() -> task<void> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, cq_client, cq_client); // and never a receive
+        cm_conn_options endless;
+        endless.rnr_retry_count = 7;
+        co_await id.connect({}, wait_options(10s), endless);
+        co_await q.send(out.local(0, 64));
+        co_await id.disconnected(wait_options(120s));
+    };
+    io.run(when_all(server(), client()));
+    CHECK(client_got == 64);
+    CHECK_FALSE(timed_out);
+    REQUIRE(failure.has_value());
+    CHECK(failure->status() == IBV_WC_RNR_RETRY_EXC_ERR);
+    MESSAGE("the accepting side's send: RNR gave up after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+}

@@ -73,10 +73,16 @@ class Server:
             self.proc.kill()
             raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
 
+    def rdma_counts(self):
+        """The server's objects in the kernel's restrack, by kind."""
+        return {kind: self.rdma_objects(kind) for kind in ("qp", "cq", "mr", "pd", "cm_id")}
+
     def rdma_objects(self, kind):
         """How many `kind` (qp, mr) objects the kernel's restrack lists for the server."""
         out = subprocess.run(["rdma", "-j", "resource", "show", kind], capture_output=True, text=True, check=True)
-        return sum(1 for o in json.loads(out.stdout or "[]") if o.get("pid") == self.proc.pid)
+        # Restrack names the thread that made an object: any of the server's threads.
+        tasks = {int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")} | {self.proc.pid}
+        return sum(1 for o in json.loads(out.stdout or "[]") if o.get("pid") in tasks)
 
     def fds(self):
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
@@ -152,8 +158,9 @@ def case_sixteen_clients():
 
 
 def case_killed_client():
-    """kill -9 of a client mid-stream: the server releases its QP, MR and fds and keeps serving."""
-    s = Server(19002)
+    """kill -9 of a client mid-stream: the server releases its QP, MR and fds and keeps serving
+    (--no-srq: each connection has its own MR)."""
+    s = Server(19002, "--no-srq")
     try:
         # One client first: whatever the server opens once (per device) is open by then.
         rc, out, err = client(s.port, "--count", "10")
@@ -204,7 +211,7 @@ def case_flood():
     """A client keeping 4x more messages in flight than the server posts receives (RNR flow
     control: slow on rxe, hence few messages) next to a polite one: both get every message back,
     verified."""
-    s = Server(19008, "--depth", "16")
+    s = Server(19008, "--depth", "16", "--no-srq")
     try:
         polite = start_client(s.port, "--count", "2000", "--size", "512")
         rc, out, err = client(s.port, "--count", "400", "--inflight", "64", "--size", "1024")
@@ -353,10 +360,11 @@ def case_idle_timeout():
 
 
 def case_shared_receive_queue():
-    """--srq 1: 16 connections x 2,000 messages through one shared receive queue, verified; the
-    registered memory is the pool's, whatever the connections; a killed client's QP goes and the
-    others go on; SIGINT with 2 connections open closes them, tells the client, exits 0."""
-    s = Server(19013, "--srq", "1", "--srq-depth", "256")
+    """The shared receive queue (the default): 16 connections x 2,000 messages through one SRQ,
+    verified; the registered memory is the pool's, whatever the connections; a killed client's
+    QP goes and the others go on; SIGINT with 2 connections open closes them, tells the client,
+    exits 0."""
+    s = Server(19013, "--srq-depth", "256")
     try:
         check("a shared receive queue of 256 buffers" in s.text(), "the listen line names the srq")
         victim = start_client(s.port, "--clients", "1", "--count", "100000000", "--inflight", "4")
@@ -446,6 +454,83 @@ def case_busy_retry():
         check(established == 4 and failures == "none", "4 of 4 connected")
         rejected = len(re.findall(rejects, s.text())) - before
         check(retried >= rejected >= 2, f"every reject retried ({retried} retries, {rejected} rejects)")
+    finally:
+        check(s.stop() == 0, "server exit status")
+
+
+def case_threads():
+    """--threads 2: 16 connections spread over both threads, every message verified; SIGTERM
+    with connections open on both threads closes every one, tells the client, and exits 0."""
+    s = Server(19014, "--threads", "2")
+    try:
+        check("2 thread(s)" in s.text(), "the listen line names the threads")
+        rc, out, err = client(s.port, "--clients", "16", "--count", "2000", "--inflight", "4", "--size", "256")
+        print(out + err, end="")
+        check(rc == 0, f"client exit {rc}")
+        got, want, _ = verified(out)
+        check(got == want == 32000, f"verified {got} of {want}")
+        s.wait_for(r"closed \(the client disconnected", 60, count=16)
+        per_thread = [len(re.findall(rf"resources released \(thread {t}\)", s.text())) for t in (0, 1)]
+        print(f"connections per thread: {per_thread}")
+        check(sum(per_thread) == 16 and min(per_thread) >= 4, f"spread over both threads: {per_thread}")
+        lingering = start_client(s.port, "--clients", "4", "--count", "100000000", "--inflight", "2")
+        wait_until(lambda: s.rdma_objects("qp") == 4, 30, lambda: f"4 connections open; client:\n{text_of(lingering)}")
+        time.sleep(0.5)
+    finally:
+        status = s.stop(signal.SIGTERM)
+        check(status == 0, f"server exit status {status}:\n{s.text()}")
+    text = s.text()
+    closed = [len(re.findall(rf"closed \(the server is shutting down[^\n]*\(thread {t}\)", text)) for t in (0, 1)]
+    check(closed == [2, 2], f"the shutdown closed 2 connections on each thread: {closed}")
+    check("shut down: 20 connection(s) served" in text, "server summary")
+    check(lingering.wait(60) == 1 and text_of(lingering).count("the server closed the connection") == 4,
+          f"client told:\n{text_of(lingering)}")
+
+
+def case_many_connections():
+    """512 connections at once (64 being set up at a time), 20 messages each, every one verified;
+    then the server's QPs, CQs, MRs, PDs and cm_ids are back to what one client left (the
+    kernel's restrack), and it serves the next client."""
+    s = Server(19015)
+    try:
+        rc, out, err = client(s.port, "--count", "10")
+        check(rc == 0, f"first client: {out}{err}")
+        s.wait_for(r"closed \(the client disconnected", 30)
+        wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the first client's QP destroyed")
+        baseline = s.rdma_counts()
+        start = time.monotonic()
+        rc, out, err = client(s.port, "--clients", "512", "--count", "20", "--size", "64", "--json")
+        print(err + "\n".join(l for l in out.splitlines() if not l.startswith("echo_client: connection")))
+        check(rc == 0, f"client exit {rc}")
+        got, want, _ = verified(out)
+        check(got == want == 512 * 20, f"verified {got} of {want}")
+        check(connect_summary(out)[:2] == (512, 512), "512 of 512 connected")
+        s.wait_for(r"closed \(the client disconnected", 120, count=513)
+        wait_until(lambda: s.rdma_counts() == baseline, 60,
+                   lambda: f"restrack {s.rdma_counts()}, {baseline} before the 512")
+        print(f"512 connections in {time.monotonic() - start:.1f} s; restrack back to {baseline}")
+        rc, out, err = client(s.port, "--count", "100")
+        check(rc == 0 and verified(out)[0] == 100, "the server serves the next client")
+    finally:
+        check(s.stop() == 0, "server exit status")
+
+
+def case_rnr_peer():
+    """A raw librdmacm client that sends and never posts a receive: the server's echo runs out of
+    RNR retries and closes that connection with a line naming RNR; a client next to it is
+    verified and the server goes on."""
+    s = Server(19016)
+    try:
+        good = start_client(s.port, "--count", "3000", "--inflight", "2")
+        peer = subprocess.Popen([os.path.join(BUILD, "tests", "examples", "rnr_peer"), ADDR, str(s.port), "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        s.wait_for(r"closed \(echo send failed: [^\n]*RNR", 60)
+        check(good.wait(600) == 0 and verified(text_of(good))[0] == 3000, "the client next to it:\n" + text_of(good))
+        peer.kill()
+        print(peer.communicate()[0], end="")
+        print(next(l for l in s.text().splitlines() if "RNR" in l))
+        rc, out, err = client(s.port, "--count", "100")
+        check(rc == 0 and verified(out)[0] == 100, "the server serves the next client")
     finally:
         check(s.stop() == 0, "server exit status")
 

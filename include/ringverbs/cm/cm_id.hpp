@@ -59,7 +59,12 @@ struct cm_conn_options {
     std::uint8_t retry_count = 7;
     // Retries after an RNR NAK (the peer had no receive posted); then the send fails with
     // IBV_WC_RNR_RETRY_EXC_ERR. 6, the largest finite count: a peer that never posts receives
-    // ends the connection instead of stalling it for ever. 7: retry forever.
+    // ends the connection instead of stalling it for ever. 7: retry forever. IB CM sends it to
+    // the peer, whose QP takes it: connect() bounds the accepting side's sends, and
+    // accept_connection() the connecting side's. accept_connection() also moves its own QP to
+    // RTS with this count (not with the one the peer's request asked for), so a peer asking
+    // for 7 still cannot stall a server's sends; on the connecting side, the accepting peer's
+    // count applies.
     std::uint8_t rnr_retry_count = 6;
     // A constructor, not an aggregate, because of GCC 12's double destruction of aggregate
     // temporaries in co_await expressions.
