@@ -662,6 +662,9 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
             }
             co_return;
         }
+        // The stop won the race with this accept: nothing more is admitted (a worker may
+        // have ended already). Dropping the request rejects it.
+        if (server.stopping.stop_requested()) co_return;
         verbs::context device = request->device();
         if (!server.options.device.empty() && device.name() != server.options.device) {
             request->reject(
