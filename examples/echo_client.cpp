@@ -50,7 +50,8 @@ namespace {
 const char* const usage =
     "usage: echo_client --address IP [--port N] [--device NAME] [--size BYTES] [--count N]\n"
     "                   [--inflight N] [--clients N] [--connect-concurrency N]\n"
-    "                   [--connect-attempts N] [--mode events|hybrid|busy] [--json]\n"
+    "                   [--connect-attempts N] [--reply-timeout SECONDS]\n"
+    "                   [--mode events|hybrid|busy] [--json]\n"
     "  --address   the server's IPv4 or IPv6 address (default: $RINGVERBS_ADDR)\n"
     "  --port      the server's port (default 18515)\n"
     "  --device    the RDMA device that must carry the connections (default: the route's)\n"
@@ -61,6 +62,8 @@ const char* const usage =
     "  --connect-concurrency  connections being set up at once; the rest wait (default 64)\n"
     "  --connect-attempts     tries per connection when a connect times out or the server is\n"
     "              busy, with backoff from 50 ms (default 5; 1: no retry)\n"
+    "  --reply-timeout  close a connection on which nothing completes for this many seconds\n"
+    "              (a partitioned link, a server gone without a word; default 30; 0: never)\n"
     "  --mode      how the completion channel waits (default events)\n"
     "  --json      also print the result as one JSON object\n";
 
@@ -74,6 +77,7 @@ struct config {
     int clients = 1;
     int connect_concurrency = 64;
     int connect_attempts = 5;
+    std::uint32_t reply_timeout = 30; // seconds; 0: never
     polling_mode mode = polling_mode::events;
     bool json = false;
 };
@@ -361,15 +365,26 @@ task<void> connection(client& cl, int number) {
     while (posted > 0) {
         ibv_wc wc{};
         // Once closing, only the flushes are awaited, and not forever (see echo_server.cpp).
-        const wait_options wait =
-            closing ? wait_options(5s) : wait_options(cl.stopping.get_token());
-        bool interrupted = false;
+        // Before, nothing completing for --reply-timeout closes the connection: a peer cut off
+        // by a partition may never send the DREQ that would flush our receives.
+        const std::chrono::seconds quiet(cfg.reply_timeout);
+        const wait_options wait = closing ? wait_options(5s)
+                                  : quiet.count() > 0
+                                      ? wait_options(quiet, cl.stopping.get_token())
+                                      : wait_options(cl.stopping.get_token());
+        bool interrupted = false, timed_out = false;
         try {
             wc = co_await completions->next(wait);
-        } catch (const std::system_error&) {
+        } catch (const std::system_error& e) {
             interrupted = true; // a co_await may not be in a handler
+            timed_out = e.code() == std::errc::timed_out;
         }
         if (interrupted && closing) break;
+        if (timed_out) {
+            co_await close("no reply for " + std::to_string(quiet.count()) +
+                           " s (--reply-timeout)");
+            continue;
+        }
         if (interrupted) {
             co_await close("interrupted");
             continue;
@@ -483,6 +498,8 @@ config parse(int argc, char** argv) {
             c.connect_concurrency = static_cast<int>(echo::number(flag, v, 1, 1024));
         else if (flag == "--connect-attempts")
             c.connect_attempts = static_cast<int>(echo::number(flag, v, 1, 100));
+        else if (flag == "--reply-timeout")
+            c.reply_timeout = static_cast<std::uint32_t>(echo::number(flag, v, 0, 86400));
         else if (flag == "--mode")
             c.mode = echo::mode_of(v);
         else
