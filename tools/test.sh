@@ -6,8 +6,9 @@
 # 1. GCC build (build/, warnings as errors): the engine suite on the host (every public
 #    header compiled alone, the C++17 guard), the consumer suite (tests/consumer as a
 #    subproject and installed via pkg-config), the rdma suite where a real RDMA device exists
-#    (tools/softroce-vm: directly, or Soft-RoCE in QEMU), the engine benchmark (it fails when
-#    our steady state allocates).
+#    (tools/softroce-vm: directly, or Soft-RoCE in QEMU), the cluster suite on two Soft-RoCE
+#    guests joined by a virtual link (tools/softroce-vm -n 2: echo across hosts, faults on the
+#    link), the engine benchmark (it fails when our steady state allocates).
 # 2. Clang build with AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/): both
 #    suites again.
 # 3. Clang build with ThreadSanitizer (build-tsan/): the engine tests where threads meet
@@ -36,7 +37,7 @@ configure() { # dir, compiler, extra meson args...
     ninja -C "$dir"
 }
 
-# run_suite NAME BUILD_DIR "SUITE [SUITE...]" [vm]
+# run_suite NAME BUILD_DIR "SUITE [SUITE...]" [vm|cluster]
 run_suite() {
     local name=$1 dir=$2 suites=$3 where=${4:-host} rc=0 s
     echo
@@ -45,6 +46,8 @@ run_suite() {
     for s in $suites; do cmd+=(--suite "$s"); done
     if [ "$where" = vm ]; then
         tools/softroce-vm -t 1200 -- "${cmd[@]}" || rc=$?
+    elif [ "$where" = cluster ]; then
+        tools/softroce-vm -n 2 -t 1500 -- "${cmd[@]}" || rc=$?
     else
         "${cmd[@]}" || rc=$?
     fi
@@ -66,6 +69,9 @@ run_suite engine-gcc build engine
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
 run_suite consumer-gcc build consumer
 run_suite rdma-gcc build "rdma consumer-rdma" vm
+# Two guests joined by a virtual link (tools/softroce-vm -n 2): echo across hosts, faults on
+# the link (tests/cluster).
+run_suite cluster-gcc build cluster cluster
 # The soak of the rdma suite (tests/rdma/soak_test.cpp) summarises its run here.
 if [ -f build/bench-results/faults.json ]; then
     echo "faults.json (build/bench-results/faults.json):"
