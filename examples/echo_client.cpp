@@ -368,10 +368,9 @@ task<void> connection(client& cl, int number) {
         // Before, nothing completing for --reply-timeout closes the connection: a peer cut off
         // by a partition may never send the DREQ that would flush our receives.
         const std::chrono::seconds quiet(cfg.reply_timeout);
-        const wait_options wait = closing ? wait_options(5s)
-                                  : quiet.count() > 0
-                                      ? wait_options(quiet, cl.stopping.get_token())
-                                      : wait_options(cl.stopping.get_token());
+        const wait_options wait = closing             ? wait_options(5s)
+                                  : quiet.count() > 0 ? wait_options(quiet, cl.stopping.get_token())
+                                                      : wait_options(cl.stopping.get_token());
         bool interrupted = false, timed_out = false;
         try {
             wc = co_await completions->next(wait);
