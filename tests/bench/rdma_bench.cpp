@@ -29,6 +29,11 @@
 //   post_recv chains. Messages per second are counted at the sender between the completion of
 //   the warmup and the completion of the last message, like ib_send_bw's MsgRate.
 //
+// Across two hosts (tools/bench-cluster): `--listen ADDR:PORT` runs only the server, on one
+// TCP connection accepted at ADDR:PORT (the exchange the socketpair carries otherwise), and
+// `--connect ADDR:PORT` only the client, which prints the JSON; the device and GID index are
+// each host's own ($RINGVERBS_DEVICE, $RINGVERBS_GID_INDEX).
+//
 // Both processes count global operator new calls (alloc_counter.hpp) and the channel's
 // counters, context switches and CPU time during the timed part only. The JSON on stdout has
 // them per side; the exit status is 3 when the timed part allocated anything, 1 on any other
@@ -47,7 +52,9 @@
 #include <ringverbs/rdma/qp.hpp>
 #include <ringverbs/verbs.hpp>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -104,6 +111,8 @@ struct config {
     std::string device = "rxe0";
     std::uint32_t gid_index = 1;
     std::uint8_t port = 1;
+    std::string listen;  // ADDR:PORT: the server alone, across hosts
+    std::string connect; // ADDR:PORT: the client alone, across hosts
 };
 
 const char* mode_name(polling_mode m) {
@@ -126,7 +135,8 @@ const char* mode_name(polling_mode m) {
                  "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
                  "         [--hybrid-spin-max-us N]\n"
                  "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
-                 "         [--ring defer|coop] [--raw 0|1] [--timeout SECONDS]\n");
+                 "         [--ring defer|coop] [--raw 0|1] [--timeout SECONDS]\n"
+                 "         [--listen ADDR:PORT | --connect ADDR:PORT]\n");
     std::exit(2);
 }
 
@@ -215,6 +225,10 @@ config parse(int argc, char** argv) {
                 usage();
         } else if (a == "--timeout")
             c.timeout_s = static_cast<unsigned>(num());
+        else if (a == "--listen" && i + 1 < argc)
+            c.listen = argv[++i];
+        else if (a == "--connect" && i + 1 < argc)
+            c.connect = argv[++i];
         else
             usage();
     }
@@ -939,6 +953,51 @@ int run_process(const config& cfg, bool client, int sock, std::vector<double>& s
     }
 }
 
+// ADDR:PORT (IPv4) as a socket address; exits 2 on a malformed one.
+sockaddr_in tcp_address(const std::string& text) {
+    const auto colon = text.rfind(':');
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    if (colon == std::string::npos ||
+        inet_pton(AF_INET, text.substr(0, colon).c_str(), &a.sin_addr) != 1)
+        usage();
+    a.sin_port = htons(static_cast<std::uint16_t>(std::stoul(text.substr(colon + 1))));
+    return a;
+}
+
+// --listen: one TCP connection accepted at ADDR:PORT, or -1 (the error printed).
+int accept_one(const std::string& where) {
+    const sockaddr_in a = tcp_address(where);
+    const int l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int on = 1;
+    ::setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    if (l < 0 || ::bind(l, reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0 ||
+        ::listen(l, 1) != 0) {
+        std::perror("rdma_bench: listen");
+        return -1;
+    }
+    std::printf("listening on %s\n", where.c_str());
+    std::fflush(stdout);
+    const int s = ::accept4(l, nullptr, nullptr, SOCK_CLOEXEC);
+    ::close(l);
+    if (s < 0) std::perror("rdma_bench: accept");
+    return s;
+}
+
+// --connect: a TCP connection to ADDR:PORT, tried for up to 20 s (the server may be starting).
+int connect_to(const std::string& where) {
+    const sockaddr_in a = tcp_address(where);
+    for (int attempt = 0; attempt < 200; ++attempt) {
+        const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (s >= 0 && ::connect(s, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0)
+            return s;
+        if (s >= 0) ::close(s);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::perror("rdma_bench: connect");
+    return -1;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -954,18 +1013,34 @@ int main(int argc, char** argv) {
     const double now_ns = clock_now_ns();
 
     int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-        std::perror("socketpair");
-        return 1;
+    pid_t pid = 0;
+    if (!cfg.listen.empty()) { // across hosts: this process is the server
+        ::alarm(cfg.timeout_s);
+        const int s = accept_one(cfg.listen);
+        if (s < 0) return 1;
+        std::vector<double> none;
+        side_stats st, unused;
+        return run_process(cfg, false, s, none, st, unused);
     }
-    std::fflush(stdout);
-    pid_t pid = ::fork();
-    if (pid < 0) {
-        std::perror("fork");
-        return 1;
+    if (!cfg.connect.empty()) { // across hosts: this process is the client
+        sv[0] = connect_to(cfg.connect);
+        if (sv[0] < 0) return 1;
+        ::alarm(cfg.timeout_s);
+        pid = -1; // no child
+    } else {
+        if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+            std::perror("socketpair");
+            return 1;
+        }
+        std::fflush(stdout);
+        pid = ::fork();
+        if (pid < 0) {
+            std::perror("fork");
+            return 1;
+        }
+        // A side that waits for a message that never comes (the peer died) must not hang.
+        ::alarm(cfg.timeout_s);
     }
-    // A side that waits for a message that never comes (the peer died) must not hang the run.
-    ::alarm(cfg.timeout_s);
     if (pid == 0) { // the server
         ::close(sv[0]);
         std::vector<double> none;
@@ -974,13 +1049,15 @@ int main(int argc, char** argv) {
         std::fflush(nullptr);
         ::_exit(rc);
     }
-    ::close(sv[1]);
+    if (pid > 0) ::close(sv[1]);
     std::vector<double> samples;
     side_stats cst, sst;
     int rc = run_process(cfg, true, sv[0], samples, cst, sst);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+    if (pid > 0) {
+        int status = 0;
+        ::waitpid(pid, &status, 0);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+    }
     if (rc != 0) {
         std::fprintf(stderr, "rdma_bench: %s %s failed\n",
                      cfg.test == test_kind::lat ? "lat" : "rate", mode_name(cfg.mode));

@@ -22,6 +22,7 @@ ON_NODE = os.path.join(TOP, "tools", "on-node")
 SERVER = os.path.join(BUILD, "examples", "echo_server")
 CLIENT = os.path.join(BUILD, "examples", "echo_client")
 PEER = os.environ.get("RINGVERBS_PEER_ADDR", "")
+PEER6 = os.environ.get("RINGVERBS_PEER_ADDR6", "")
 TMP = tempfile.mkdtemp(prefix="cluster_test.")
 
 
@@ -52,10 +53,11 @@ def netem(*spec):
 class RemoteServer:
     """echo_server on node 2, through on-node (which forwards SIGTERM to it)."""
 
-    def __init__(self, port, *args):
+    def __init__(self, port, *args, address=None):
         self.log = os.path.join(TMP, f"server.{port}.log")
         self.port = port
-        self.proc = subprocess.Popen([ON_NODE, "2", SERVER, "--address", PEER, "--port", str(port), *args],
+        self.address = address or PEER
+        self.proc = subprocess.Popen([ON_NODE, "2", SERVER, "--address", self.address, "--port", str(port), *args],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         self.wait_for("listening on", 60)
 
@@ -83,9 +85,9 @@ class RemoteServer:
             raise Failure(f"server did not exit within {timeout}s of SIGTERM:\n{self.text()}")
 
 
-def client(port, *args, timeout=600):
-    r = subprocess.run([CLIENT, "--address", PEER, "--port", str(port), *args], capture_output=True, text=True,
-                       timeout=timeout)
+def client(port, *args, timeout=600, address=None):
+    r = subprocess.run([CLIENT, "--address", address or PEER, "--port", str(port), *args], capture_output=True,
+                       text=True, timeout=timeout)
     return r.returncode, r.stdout, r.stderr
 
 
@@ -101,7 +103,7 @@ def rate(stdout):
 
 def case_echo_across():
     """Across the link: 1 connection x 2,000 and 16 connections x 300 messages, every byte
-    verified; SIGTERM ends the server on node 2 with exit 0."""
+    verified; SIGTERM ends the server on node 2 with exit 0; then 500 messages over IPv6."""
     s = RemoteServer(19101)
     try:
         for clients, count in ((1, 2000), (16, 300)):
@@ -115,6 +117,14 @@ def case_echo_across():
     finally:
         check(s.stop() == 0, f"server exit status:\n{s.text()}")
     check("17 connection(s) served" in s.text(), "server summary")
+    # And over IPv6 (fd01::2): RoCE v2 with the IPv6 GID.
+    s6 = RemoteServer(19105, address=PEER6)
+    try:
+        rc, out, err = client(s6.port, "--count", "500", "--size", "512", address=PEER6)
+        print(out + err, end="")
+        check(rc == 0 and verified(out)[0] == 500, f"IPv6 client exit {rc}")
+    finally:
+        check(s6.stop() == 0, f"IPv6 server exit status:\n{s6.text()}")
 
 
 def case_lossy_link():
