@@ -989,8 +989,7 @@ int connect_to(const std::string& where) {
     const sockaddr_in a = tcp_address(where);
     for (int attempt = 0; attempt < 200; ++attempt) {
         const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (s >= 0 && ::connect(s, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0)
-            return s;
+        if (s >= 0 && ::connect(s, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0) return s;
         if (s >= 0) ::close(s);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
