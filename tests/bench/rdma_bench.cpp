@@ -225,10 +225,10 @@ config parse(int argc, char** argv) {
                 usage();
         } else if (a == "--timeout")
             c.timeout_s = static_cast<unsigned>(num());
-        else if (a == "--listen" && i + 1 < argc)
-            c.listen = argv[++i];
-        else if (a == "--connect" && i + 1 < argc)
-            c.connect = argv[++i];
+        else if (a == "--listen")
+            c.listen = v;
+        else if (a == "--connect")
+            c.connect = v;
         else
             usage();
     }

@@ -59,7 +59,7 @@ def finish(p):
 
 def perftest(kind, tool, *args):
     pt = next_port()
-    server = start_server(["timeout", "90", tool, "-d", "rxe0", "-x", PEER_GID, "-F", "-p", str(pt), *args],
+    server = start_server(["timeout", "90", "stdbuf", "-oL", tool, "-d", "rxe0", "-x", PEER_GID, "-F", "-p", str(pt), *args],
                           "Waiting for client")
     try:
         r = subprocess.run([tool, "-d", "rxe0", "-x", GID, "-F", "-p", str(pt), *args, PEER],
