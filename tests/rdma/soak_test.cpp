@@ -319,6 +319,13 @@ class soak {
         if (q.native_qp().state() != IBV_QPS_RESET) q.to_error();
     }
 
+    // A stream's exchange failed: both QPs to error, so that every request of the epoch ends
+    // by its flush (a torn-down pair's states flush on their own).
+    static void end_epoch_on_both(pair_state& p) {
+        if (p.a) to_error_unless_reset(*p.a);
+        if (p.b) to_error_unless_reset(*p.b);
+    }
+
     void make_qps(pair_state& p) {
         p.a = std::make_unique<qp>(dev_.pd, *p.cq_a, *p.cq_a, caps, fast_bound);
         p.b = std::make_unique<qp>(dev_.pd, *p.cq_b, *p.cq_b, caps, fast_bound);
@@ -397,7 +404,7 @@ class soak {
                 // Our receive has no send: end the epoch so that it is flushed instead of
                 // taking another stream's message.
                 p.over = true;
-                to_error_unless_reset(*p.b);
+                end_epoch_on_both(p);
             }
             if (send_posted && p.trigger) {
                 const action what = *p.trigger;
@@ -414,8 +421,9 @@ class soak {
                     classify(std::current_exception());
                     p.over = true; // the connection failed: this epoch is over
                     // Its message may never reach b (Linux 6.12's rxe still had it queued when
-                    // a failed): b's receive would wait for ever; b's flush ends it.
-                    if (p.b) to_error_unless_reset(*p.b);
+                    // a failed): b's receive would wait for ever; b's flush ends it. And a
+                    // goes too: rxe retries a send for ever (retry_cnt 7) into a b in error.
+                    end_epoch_on_both(p);
                 }
                 t.end(sid);
             }
