@@ -286,6 +286,10 @@ void io_context::enable_ring() {
         0)
         throw_system_error(errno, "io_uring_register(IORING_REGISTER_ENABLE_RINGS)");
     ring_disabled_ = false;
+    // The ring belongs to this thread from now on (SINGLE_ISSUER): register its fd with this
+    // thread's io_uring context, so that each io_uring_enter names it by index and skips the
+    // file lookup (5.18). A failure (no free slot, an older kernel) only costs that saving.
+    (void)io_uring_register_ring_fd(&ring_);
 }
 
 void io_context::submit_and_reap(bool wait, bool spinning) {

@@ -123,6 +123,8 @@ std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
 
 // Collects the CQs with an event this turn in `fired`, each marked disarmed.
 channel_state::event_read channel_state::read_events() noexcept {
+    for (cq_state* c : fired)
+        c->in_fired = false;
     fired.clear();
     // Read until EAGAIN, or until every armed CQ has had its one event: then nothing can
     // be pending, and the read that would say EAGAIN is saved. At least one read per
@@ -146,7 +148,12 @@ channel_state::event_read channel_state::read_events() noexcept {
         auto* c = static_cast<cq_state*>(ev->user_context);
         ++c->counters.events;
         c->set_armed(false);
-        if (std::find(fired.begin(), fired.end(), c) == fired.end()) fired.push_back(c);
+        // A flag, not a search of `fired`: one wakeup may bring an event from each of
+        // thousands of CQs.
+        if (!c->in_fired) {
+            c->in_fired = true;
+            fired.push_back(c);
+        }
     }
     return event_read::all_read;
 }

@@ -5,6 +5,7 @@
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 
 namespace ringverbs {
@@ -26,7 +27,8 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
         }
         // The qp is gone (a flush after its teardown found nothing owed): nothing to tell.
     };
-    buffer.resize(static_cast<std::size_t>(cq.capacity()) + 1);
+    // A power of two, so that the ring's index wraps with a mask, not a division.
+    buffer.resize(std::bit_ceil(static_cast<std::size_t>(cq.capacity()) + 1));
     channel->cqs.push_back(this);
     channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass
     if (channel->options.mode != polling_mode::busy && !channel->spinning) {
@@ -115,18 +117,18 @@ void cq_state::deliver(const ibv_wc& wc) noexcept {
         // Consumers fell behind by more than the CQ holds: grow (the only allocation here).
         std::vector<ibv_wc> bigger(buffer.size() * 2);
         for (std::size_t i = 0; i < count; ++i)
-            bigger[i] = buffer[(head + i) % buffer.size()];
+            bigger[i] = buffer[(head + i) & (buffer.size() - 1)];
         buffer = std::move(bigger);
         head = 0;
     }
-    buffer[(head + count) % buffer.size()] = wc;
+    buffer[(head + count) & (buffer.size() - 1)] = wc;
     ++count;
 }
 
 bool cq_state::pop(ibv_wc& out) noexcept {
     if (count == 0) return false;
     out = buffer[head];
-    head = (head + 1) % buffer.size();
+    head = (head + 1) & (buffer.size() - 1);
     --count;
     return true;
 }

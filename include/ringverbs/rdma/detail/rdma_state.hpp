@@ -133,8 +133,9 @@ struct cq_state {
     verbs::completion_queue cq;
     bool solicited_only = false;
     bool armed = false;
-    bool closed = false; // the user's cq handle is gone: next() consumers are no more
-    int error = 0;       // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
+    bool in_fired = false; // listed in channel->fired (an event this turn)
+    bool closed = false;   // the user's cq handle is gone: next() consumers are no more
+    int error = 0;         // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     cq_counters counters;
     waiter_queue waiters; // of completion_waiter
     // A next_batch() waiter fulfilled during the current poll with room left: the poll's
