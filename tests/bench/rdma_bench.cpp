@@ -23,7 +23,9 @@
 //   solicited (--solicited 1, the default there): a send completion then raises no event of
 //   its own and is reaped by the wakeup the pong causes, one wakeup per round trip, as in
 //   ib_send_lat -e. --raw 1 runs the same ping-pong with plain verbs and no runtime at all
-//   (busy or events), the floor of this harness.
+//   (busy or events), the floor of this harness. --samples FILE (client) also writes every
+//   half round trip those statistics come from (the timed iterations only, in microseconds,
+//   one a line, in the order measured) to FILE, after the run and its report.
 // rate: the client keeps --window sends in flight as post_send chains of --chain requests (the
 //   last one signaled: selective signaling), the server keeps --recv-depth receives posted as
 //   post_recv chains. Messages per second are counted at the sender between the completion of
@@ -54,7 +56,9 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <liburing.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -62,6 +66,7 @@
 #include <x86intrin.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <coroutine>
@@ -105,6 +110,7 @@ struct config {
     long hybrid_spin_max_us = 0; // channel_options::hybrid_spin_max (0: fixed window)
     bool single_issuer = true;   // io_context_options::single_issuer (DEFER_TASKRUN)
     bool raw = false;            // lat: plain verbs, no runtime (the harness's floor)
+    bool raw_uring = false;      // --raw 1, events: wait in a bare liburing poll, then read
     unsigned timeout_s = 120;
     unsigned ack_batch = 64;
     unsigned poll_batch = 32;
@@ -113,6 +119,7 @@ struct config {
     std::uint8_t port = 1;
     std::string listen;  // ADDR:PORT: the server alone, across hosts
     std::string connect; // ADDR:PORT: the client alone, across hosts
+    std::string samples; // lat: FILE for every half round trip (us), written after the run
 };
 
 const char* mode_name(polling_mode m) {
@@ -135,8 +142,9 @@ const char* mode_name(polling_mode m) {
                  "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
                  "         [--hybrid-spin-max-us N]\n"
                  "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
-                 "         [--ring defer|coop] [--raw 0|1] [--timeout SECONDS]\n"
-                 "         [--listen ADDR:PORT | --connect ADDR:PORT]\n");
+                 "         [--ring defer|coop] [--raw 0|1] [--raw-wait read|uring]\n"
+                 "         [--timeout SECONDS]\n"
+                 "         [--listen ADDR:PORT | --connect ADDR:PORT] [--samples FILE (lat)]\n");
     std::exit(2);
 }
 
@@ -216,7 +224,14 @@ config parse(int argc, char** argv) {
             c.gid_index = static_cast<std::uint32_t>(num());
         else if (a == "--raw")
             c.raw = num() != 0;
-        else if (a == "--ring") {
+        else if (a == "--raw-wait") {
+            if (v == "read")
+                c.raw_uring = false;
+            else if (v == "uring")
+                c.raw_uring = true;
+            else
+                usage();
+        } else if (a == "--ring") {
             if (v == "defer")
                 c.single_issuer = true;
             else if (v == "coop")
@@ -229,12 +244,15 @@ config parse(int argc, char** argv) {
             c.listen = v;
         else if (a == "--connect")
             c.connect = v;
+        else if (a == "--samples")
+            c.samples = v;
         else
             usage();
     }
     if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
     if (c.send == send_style::raw && c.recv != recv_style::next) usage();
     if (c.raw && (c.test != test_kind::lat || c.mode == polling_mode::hybrid)) usage();
+    if (!c.samples.empty() && c.test != test_kind::lat) usage();
     if (c.iters < 2 || c.warmup < 0 || c.size == 0 || c.size > 4096) usage();
     if (c.test == test_kind::rate) {
         if (c.chain == 0 || c.window < c.chain || c.window % c.chain || c.recv_depth < c.chain ||
@@ -771,6 +789,9 @@ struct side {
 // unsignaled sends (1 in 32 signaled, to free send queue slots), receives re-posted as they
 // complete; busy: ibv_poll_cq until something comes; events: a blocking ibv_get_cq_event, ack,
 // re-arm, poll. The floor of this harness, to tell the runtime's cost from everything else.
+// --raw-wait uring (events): instead of blocking in the read, wait in a bare liburing ring (the
+// ring flags io_context prefers, a multishot poll on the channel's fd, io_uring_submit_and_wait)
+// and read the event after: what any event loop over io_uring costs, without the runtime.
 struct raw_side {
     static constexpr unsigned slots = 16;
     static constexpr std::uint64_t send_id = 0xffffffffu;
@@ -793,6 +814,9 @@ struct raw_side {
     side_stats stats;
     window win;
     bool events;
+    bool uring = false;
+    io_uring ring{};
+    bool poll_armed = false;
 
     raw_side(const config& k, bool is_client, int s)
         : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev), chan(dev),
@@ -822,11 +846,56 @@ struct raw_side {
         swr.sg_list = &ssge;
         swr.num_sge = 1;
         swr.opcode = IBV_WR_SEND;
-        if (events) {
+        if (events && k.raw_uring) {
+            io_uring_params p{};
+            p.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+            if (io_uring_queue_init_params(8, &ring, &p) != 0) {
+                p = {};
+                if (int r = io_uring_queue_init_params(8, &ring, &p); r != 0)
+                    throw std::runtime_error(std::string("io_uring_queue_init_params: ") +
+                                             std::strerror(-r));
+            }
+            uring = true;
+            cq.req_notify(cfg.solicited != 0);
+        } else if (events) {
             // A blocking read, like perftest (the wrapper made the fd non-blocking).
             int fl = ::fcntl(chan.fd(), F_GETFL);
             ::fcntl(chan.fd(), F_SETFL, fl & ~O_NONBLOCK);
             cq.req_notify(cfg.solicited != 0);
+        }
+    }
+    ~raw_side() {
+        if (uring) io_uring_queue_exit(&ring);
+    }
+    raw_side(const raw_side&) = delete;
+    raw_side& operator=(const raw_side&) = delete;
+
+    // --raw-wait uring: until the channel's fd is readable, as a multishot poll reports it.
+    void uring_wait() {
+        if (!poll_armed) {
+            io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+            io_uring_prep_poll_multishot(sqe, chan.fd(), POLLIN);
+            poll_armed = true;
+        }
+        for (;;) {
+            int r = io_uring_submit_and_wait(&ring, 1);
+            if (r < 0 && r != -EINTR) throw std::runtime_error("io_uring_submit_and_wait failed");
+            bool readable = false;
+            unsigned head;
+            unsigned seen = 0;
+            io_uring_cqe* cqe;
+            io_uring_for_each_cqe(&ring, head, cqe) {
+                ++seen;
+                if (cqe->res > 0) readable = true;
+                if (!(cqe->flags & IORING_CQE_F_MORE)) poll_armed = false;
+            }
+            io_uring_cq_advance(&ring, seen);
+            if (readable) return;
+            if (!poll_armed) {
+                io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+                io_uring_prep_poll_multishot(sqe, chan.fd(), POLLIN);
+                poll_armed = true;
+            }
         }
     }
 
@@ -843,7 +912,13 @@ struct raw_side {
             if (events) {
                 ibv_cq* ev_cq = nullptr;
                 void* ev_ctx = nullptr;
-                if (ibv_get_cq_event(chan.native(), &ev_cq, &ev_ctx) != 0)
+                if (uring) {
+                    uring_wait();
+                    while (ibv_get_cq_event(chan.native(), &ev_cq, &ev_ctx) != 0) {
+                        if (errno != EAGAIN) throw std::runtime_error("ibv_get_cq_event failed");
+                        uring_wait();
+                    }
+                } else if (ibv_get_cq_event(chan.native(), &ev_cq, &ev_ctx) != 0)
                     throw std::runtime_error("ibv_get_cq_event failed");
                 ibv_ack_cq_events(ev_cq, 1);
                 cq.req_notify(cfg.solicited != 0);
@@ -997,6 +1072,23 @@ int connect_to(const std::string& where) {
     return -1;
 }
 
+// --samples: every half round trip the statistics come from, in microseconds, one a line.
+bool write_samples(const std::string& path, const std::vector<double>& samples) {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (!f) {
+        std::fprintf(stderr, "rdma_bench: %s: %s\n", path.c_str(), std::strerror(errno));
+        return false;
+    }
+    for (double x : samples)
+        std::fprintf(f, "%.3f\n", x);
+    const bool ok = std::ferror(f) == 0;
+    if (std::fclose(f) != 0 || !ok) {
+        std::fprintf(stderr, "rdma_bench: %s: write failed\n", path.c_str());
+        return false;
+    }
+    return true;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -1105,6 +1197,8 @@ int main(int argc, char** argv) {
     print_counters("client", cst, false);
     print_counters("server", sst, true);
     std::printf("}\n");
+    // After the timed part and the report: the file only, nothing the statistics depend on.
+    if (!cfg.samples.empty() && !write_samples(cfg.samples, samples)) return 1;
     if (allocs != 0) {
         std::fprintf(stderr,
                      "rdma_bench: the timed part allocated %" PRIu64
