@@ -155,6 +155,7 @@ rows = [
     ("latency, hybrid 50 us default (us)", g(med, "ours", "lat_hybrid_default_spin_us", "best"), "ib_send_lat", g(med, "perftest", "ib_send_lat_us", "best"), "hybrid_default_spin_vs_ib_send_lat"),
     (f"latency, hybrid 50..{spin_max} us adaptive (us)", g(med, "ours", "lat_hybrid_adaptive_us", "best"), "ib_send_lat", g(med, "perftest", "ib_send_lat_us", "best"), "hybrid_adaptive_vs_ib_send_lat"),
     ("raw verbs, events (us)", g(med, "raw_verbs", "lat_events_us", "best"), "ib_send_lat -e", g(med, "perftest", "ib_send_lat_e_us", "best"), "raw_events_vs_ib_send_lat_e"),
+    ("raw verbs, events, waiting in a bare liburing loop (us)", g(med, "raw_verbs", "lat_events_uring_us", "best"), "ib_send_lat -e", g(med, "perftest", "ib_send_lat_e_us", "best"), None),
     ("raw verbs, busy (us)", g(med, "raw_verbs", "lat_busy_us", "best"), "ib_send_lat", g(med, "perftest", "ib_send_lat_us", "best"), "raw_busy_vs_ib_send_lat"),
     ("rate, busy (Mpps, 64 B)", g(med, "ours", "rate_busy_mpps", "best"), "ib_send_bw", g(med, "perftest", "ib_send_bw_mpps", "best"), "rate_vs_ib_send_bw"),
     ("rate, events (Mpps, 64 B)", g(med, "ours", "rate_events_mpps", "best"), "ib_send_bw -e", g(med, "perftest", "ib_send_bw_e_mpps", "best"), "rate_events_vs_ib_send_bw_e"),
@@ -170,7 +171,9 @@ parts.append(
     "<p>"
     + html.escape(
         f"ours / raw verbs (the runtime's own cost): events {num(g(ratios, 'events_vs_raw_events', 'best'))}, "
-        f"busy {num(g(ratios, 'busy_vs_raw_busy', 'best'))}. Allocations in the timed parts: "
+        f"busy {num(g(ratios, 'busy_vs_raw_busy', 'best'))}; events split into the io_uring wait (raw liburing / "
+        f"raw blocking read) {num(g(ratios, 'raw_uring_vs_raw_events', 'best'))} and the runtime over it "
+        f"(ours / raw liburing) {num(g(ratios, 'events_vs_raw_uring_events', 'best'))}. Allocations in the timed parts: "
         f"{num(rdma.get('allocations'))} ({num(rdma.get('allocations_per_message'))} per message at most)."
     )
     + "</p>"
@@ -179,7 +182,7 @@ parts.append(
 # Latency CDFs.
 samples = g(rdma, "latency_samples", "series") or {}
 cdf_modes = [
-    ("events", [("lat_events", "ours (events)", OURS_COLOR, "-"), ("pt_lat_e", "ib_send_lat -e", PERFTEST_COLOR, "-"), ("raw_events", "raw verbs (events)", RAW_COLOR, "--")]),
+    ("events", [("lat_events", "ours (events)", OURS_COLOR, "-"), ("pt_lat_e", "ib_send_lat -e", PERFTEST_COLOR, "-"), ("raw_events", "raw verbs (events)", RAW_COLOR, "--"), ("raw_uring_events", "raw verbs, liburing wait", RAW_COLOR, ":")]),
     ("busy", [("lat_busy", "ours (busy)", OURS_COLOR, "-"), ("pt_lat", "ib_send_lat", PERFTEST_COLOR, "-"), ("raw_busy", "raw verbs (busy)", RAW_COLOR, "--")]),
     ("hybrid", [("lat_hybrid", f"ours (hybrid, {spin} us spin)", OURS_COLOR, "-"), ("pt_lat", "ib_send_lat (busy)", PERFTEST_COLOR, "-")]),
 ]
@@ -213,7 +216,7 @@ else:
         parts.append("<h3>Latency distributions</h3>")
         parts.append('<div class="row">' + "".join(cdf_figs) + "</div>")
         qrows = []
-        for key in ("lat_events", "pt_lat_e", "raw_events", "lat_busy", "pt_lat", "raw_busy", "lat_hybrid"):
+        for key in ("lat_events", "pt_lat_e", "raw_events", "raw_uring_events", "lat_busy", "pt_lat", "raw_busy", "lat_hybrid"):
             s = samples.get(key)
             if not s or not s.get("quantiles"):
                 continue
