@@ -332,7 +332,10 @@ void cm_id_state::fail_all(int err) noexcept {
 
 } // namespace detail
 
-cm_channel::cm_channel(io_context& ctx) : state_(std::make_shared<detail::cm_channel_state>(ctx)) {}
+cm_channel::cm_channel(io_context& ctx, cm_channel_options options)
+    : state_(std::make_shared<detail::cm_channel_state>(ctx)) {
+    state_->step_timeout = options.step_timeout;
+}
 
 cm_channel::~cm_channel() = default;
 
@@ -484,6 +487,10 @@ std::vector<std::byte> cm_id::outcome(step k, int wait_error,
         RDMA_CM_EVENT_ESTABLISHED};
     const auto i = static_cast<std::size_t>(k);
     const char* name = names[i];
+    if (wait_error == ETIMEDOUT)
+        throw_system_error(ETIMEDOUT, std::string(name) +
+                                          ": no answer within the step's bound (its wait_options, "
+                                          "else cm_channel_options::step_timeout)");
     if (wait_error != 0) throw_system_error(wait_error, name);
     if (!result) throw_system_error(EIO, name); // fulfilled without an outcome: not expected
     detail::cm_event_data r = std::move(*result);

@@ -205,6 +205,56 @@ TEST_CASE("connect where nothing listens: refused, and the message says so") {
     CHECK(std::chrono::steady_clock::now() - t0 < 5s);
 }
 
+bool in_our_vm() {
+    const char* v = std::getenv("RINGVERBS_IN_VM");
+    return v != nullptr && std::string(v) == "1";
+}
+
+// Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the
+// request to an address on its subnet that nobody has goes nowhere (on a real network it
+// would reach a real wire).
+TEST_CASE("connect to an address nobody has: ends within the channel's default step bound, "
+          "timed_out naming rdma_connect" *
+          doctest::skip(!in_our_vm())) {
+    const std::string ip = test_addr();
+    sockaddr_in nobody = addr_at(ip, 20884);
+    reinterpret_cast<unsigned char*>(&nobody.sin_addr)[3] = 77; // x.y.z.77: no host
+    io_context io;
+    cm_channel events(io); // the default cm_channel_options: step_timeout 15 s
+    cm_id id(events);
+    std::optional<verbs::context> dev;
+    std::optional<verbs::protection_domain> pd;
+    std::optional<channel> comp;
+    std::optional<cq> c;
+    std::optional<qp> q;
+    std::chrono::steady_clock::time_point connect_started;
+    auto attempt = [&]() -> task<void> {
+        co_await resolve(id, nobody); // a dummy netdev resolves every neighbour at once
+        dev.emplace(id.device());
+        pd.emplace(*dev);
+        comp.emplace(io, *dev);
+        c.emplace(*comp);
+        q.emplace(id.make_qp(*pd, *c, *c));
+        connect_started = std::chrono::steady_clock::now();
+        co_await id.connect(); // no wait_options: the channel's bound applies
+    };
+    try {
+        io.run(attempt());
+        FAIL("connect succeeded to an address nobody has");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(errc_of(e) == std::errc::timed_out);
+        CHECK(std::string(e.what()).find("rdma_connect") != std::string::npos);
+        CHECK(std::string(e.what()).find("step_timeout") != std::string::npos);
+    }
+    const auto waited = std::chrono::steady_clock::now() - connect_started;
+    MESSAGE("connect ended after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms");
+    // Ended by the bound (not by something earlier), and not much after it.
+    CHECK(waited >= 14s);
+    CHECK(waited < 60s);
+}
+
 TEST_CASE("the listener rejects with private data: the connector's error carries reason and data") {
     const std::string ip = test_addr();
     const sockaddr_in at = addr_at(ip, 20873);

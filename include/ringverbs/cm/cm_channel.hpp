@@ -8,12 +8,23 @@
 #include <ringverbs/cm/detail/cm_state.hpp>
 #include <ringverbs/engine/io_context.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 
 namespace ringverbs {
 
 class cm_id;
+
+struct cm_channel_options {
+    // The bound of every rdma_cm step of the ids on this channel (resolve_addr, resolve_route,
+    // connect, accept_connection) awaited without a timeout of its own: the await then ends
+    // with std::system_error(errc::timed_out) naming the call. Without it, connecting to an
+    // address where nothing answers waits as long as the IB CM retries its request (minutes).
+    // A timeout in the call's wait_options replaces it; wait_options::no_timeout here removes
+    // it. accept(), disconnect() and disconnected() wait for the peer and are not bounded.
+    std::chrono::nanoseconds step_timeout = std::chrono::seconds(15);
+};
 
 // Owns an rdma_event_channel (O_NONBLOCK, FD_CLOEXEC) attached to `ctx`. One channel serves
 // any number of ids, listening and connecting ones at once. Events are read, routed to their
@@ -26,7 +37,7 @@ class cm_channel {
   public:
     // Throws std::system_error naming rdma_create_event_channel (ENODEV: no rdma_cm support;
     // EMFILE), fcntl, or io_uring_submit.
-    explicit cm_channel(io_context& ctx);
+    explicit cm_channel(io_context& ctx, cm_channel_options options = {});
     ~cm_channel();
     cm_channel(const cm_channel&) = delete;
     cm_channel& operator=(const cm_channel&) = delete;

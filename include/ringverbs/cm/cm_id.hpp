@@ -160,7 +160,8 @@ class cm_id {
     // RoCE; copied), then ESTABLISHED. Needs the id's qp. Gives the private data of the peer's
     // accept (zero-padded by IB CM). Throws connection_rejected when the peer refused, or
     // std::system_error naming rdma_connect (ETIMEDOUT, EHOSTUNREACH, ECONNRESET if the
-    // connection went before it was established).
+    // connection went before it was established). Like every step, bounded by the channel's
+    // cm_channel_options::step_timeout (15 s) unless `options` has a timeout of its own.
     connect_awaitable connect(std::span<const std::byte> data = {}, wait_options options = {},
                               cm_conn_options conn = {}) noexcept;
     // co_await c.accept_connection(data): rdma_accept of an accepted request, then
@@ -245,6 +246,13 @@ class cm_id::step_wait : detail::cm_step_waiter {
     }
     void await_suspend(std::coroutine_handle<> h) {
         state_->step_waiters.push_back(this);
+        // Without a timeout of its own, the step is bounded by the channel's step_timeout.
+        if (options_.timeout == wait_options::no_timeout) {
+            const wait_options bounded(state_->channel->step_timeout, options_.stop);
+            start(*state_->channel->ctx, bounded, h, &state_->step_waiters,
+                  &detail::waiter_queue::detach);
+            return;
+        }
         start(*state_->channel->ctx, options_, h, &state_->step_waiters,
               &detail::waiter_queue::detach);
     }

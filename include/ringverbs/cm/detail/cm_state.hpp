@@ -14,6 +14,7 @@
 
 #include <rdma/rdma_cma.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -59,6 +60,8 @@ struct cm_channel_state {
     std::vector<cm_id_state*> ids; // live ids (raw: each removes itself), to fail on poll error
     std::uint64_t events = 0;      // rdma_cm events read
     int error = 0;                 // a failure of the fd poll or of rdma_get_cm_event: dead
+    // cm_channel_options::step_timeout: the bound of a step awaited without a timeout.
+    std::chrono::nanoseconds step_timeout = std::chrono::seconds(15);
 
     explicit cm_channel_state(io_context& c);
     ~cm_channel_state();
