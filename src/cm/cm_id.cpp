@@ -1,5 +1,6 @@
 #include <ringverbs/cm/cm_id.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
 #include <arpa/inet.h>
@@ -258,8 +259,20 @@ void deliver_step_outcome(cm_id_state& s, const rdma_cm_event& ev) noexcept {
     }
 }
 
+} // namespace
+
+// The qp made on this id (cm_id::make_qp) learns that its connection ended, before the flushes
+// of its requests are polled: those awaits end with connection_reset, not a bare flush.
+void mark_connection_closed(rdma_cm_id* id) noexcept {
+    if (id->qp == nullptr) return;
+    with_object(id->qp, [](qp_state& q) { q.connection_closed = true; });
+}
+
+namespace {
+
 // DISCONNECTED is sticky: it resumes disconnect() / disconnected() and ends a step in flight.
 void deliver_disconnected(cm_id_state& s, const rdma_cm_event& ev) noexcept {
+    mark_connection_closed(ev.id);
     // The peer's DREQ (or the answer to ours). Unless we disconnected first, answer it:
     // rdma_disconnect moves our QP to the error state, so every request still posted on
     // it completes (flushed) and no awaiter of it is left hanging, and sends the DREP.
@@ -512,6 +525,7 @@ std::vector<std::byte> cm_id::outcome(step k, int wait_error,
 void cm_id::start_disconnect(detail::cm_id_state& s) {
     errno = 0;
     s.disconnect_sent = true;
+    detail::mark_connection_closed(s.id);
     if (rdma_disconnect(s.id) != 0) {
         const int err = errno != 0 ? errno : EIO;
         // EINVAL on an id that never got connected: there is nothing to wait for.

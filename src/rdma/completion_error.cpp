@@ -45,6 +45,16 @@ completion_error::completion_error(const ibv_wc& wc, const char* operation)
     : std::system_error(make_error_code(wc.status),
                         std::string(operation) + " (status " + std::to_string(wc.status) +
                             ", vendor_err " + std::to_string(wc.vendor_err) + ")"),
-      vendor_err_(wc.vendor_err), wr_id_(wc.wr_id), qp_num_(wc.qp_num) {}
+      status_(wc.status), vendor_err_(wc.vendor_err), wr_id_(wc.wr_id), qp_num_(wc.qp_num) {}
+
+completion_error::completion_error(const ibv_wc& wc, std::error_code code, const std::string& what)
+    : std::system_error(code, what), status_(wc.status), vendor_err_(wc.vendor_err),
+      wr_id_(wc.wr_id), qp_num_(wc.qp_num) {}
+
+connection_reset::connection_reset(const ibv_wc& wc, const char* operation)
+    : completion_error(wc, std::make_error_code(std::errc::connection_reset),
+                       std::string(operation) + ": the connection was closed (flushed, status " +
+                           std::to_string(wc.status) + ": " + ibv_wc_status_str(wc.status) +
+                           "; the peer disconnected, or this side did)") {}
 
 } // namespace ringverbs

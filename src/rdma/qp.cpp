@@ -448,6 +448,7 @@ void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
         self->failed_ = true;
         self->first_error_ = wc;
+        self->closed_ = wc.status == IBV_WC_WR_FLUSH_ERR && self->qp_->connection_closed;
     }
     if (!last) return;
     self->result_ = wc;
@@ -474,6 +475,7 @@ ibv_wc qp::request::await_resume() {
     if (stop_won() || interrupted == ECANCELED)
         throw_system_error(ECANCELED, std::string(name_) + note);
     if (interrupted == ETIMEDOUT) throw_system_error(ETIMEDOUT, std::string(name_) + note);
+    if (closed_ && !never_flushed) throw connection_reset(first_error_, name_);
     if (never_flushed)
         throw_system_error(EIO, std::string(name_) +
                                     ": never flushed by the device: the QP was in the error state "

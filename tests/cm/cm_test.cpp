@@ -433,7 +433,13 @@ TEST_CASE("disconnect from either side mid-stream: the other side's pending rece
                     (void)co_await *r;
                     FAIL("a receive completed without a message");
                 } catch (const completion_error& e) {
+                    // The peer's disconnect flushed it: connection_reset, told apart from a
+                    // failed request by its code, still a flush by its status.
                     CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+                    CHECK(e.code() == std::errc::connection_reset);
+                    CHECK(dynamic_cast<const connection_reset*>(&e) != nullptr);
+                    CHECK(std::string(e.what()).find("the connection was closed") !=
+                          std::string::npos);
                     ++flushed_on_stayer;
                 }
             }
@@ -454,7 +460,8 @@ TEST_CASE("disconnect from either side mid-stream: the other side's pending rece
                 (void)co_await mine;
                 FAIL("the leaver's receive completed");
             } catch (const completion_error& e) {
-                CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+                CHECK(e.status() == IBV_WC_WR_FLUSH_ERR); // flushed by its own disconnect
+                CHECK(e.code() == std::errc::connection_reset);
             }
         };
         auto server = [&]() -> task<void> {

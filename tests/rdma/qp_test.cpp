@@ -183,6 +183,10 @@ TEST_CASE("a failed completion gives its status; the QP's pending awaits resume 
         try {
             co_await lp.a.recv(local.local(0, 64));
         } catch (const completion_error& e) {
+            // A flush after a failed request, with no connection ended: the flush status
+            // itself, not connection_reset.
+            CHECK(e.code() == make_error_code(IBV_WC_WR_FLUSH_ERR));
+            CHECK(dynamic_cast<const connection_reset*>(&e) == nullptr);
             if (e.status() == IBV_WC_WR_FLUSH_ERR) ++flushed;
         }
     };

@@ -30,17 +30,33 @@ inline std::error_code make_error_code(ibv_wc_status s) noexcept {
 class completion_error : public std::system_error {
   public:
     completion_error(const ibv_wc& wc, const char* operation);
-    ibv_wc_status status() const noexcept { return static_cast<ibv_wc_status>(code().value()); }
+    ibv_wc_status status() const noexcept { return status_; }
     std::uint32_t vendor_err() const noexcept { return vendor_err_; }
     std::uint64_t wr_id() const noexcept { return wr_id_; }
     // The QP the completion names (for a receive from an srq: the QP that took it; 0 for a
     // flush made up when no QP could deliver one).
     std::uint32_t qp_num() const noexcept { return qp_num_; }
 
+  protected:
+    completion_error(const ibv_wc& wc, std::error_code code, const std::string& what);
+
   private:
+    ibv_wc_status status_;
     std::uint32_t vendor_err_;
     std::uint64_t wr_id_;
     std::uint32_t qp_num_;
+};
+
+// A request flushed because its connection ended: the peer disconnected (or its process went),
+// or this side called cm_id::disconnect(). code() is errc::connection_reset, not the flush
+// status, so that the end of a connection reads apart from a failed request (completion_error
+// with another status) and from a timeout or stop (std::system_error, timed_out /
+// operation_canceled); status() is still IBV_WC_WR_FLUSH_ERR, and a handler of
+// completion_error still catches it. what(): "<operation>: the connection was closed (...)".
+// Only for a qp made on a cm_id (cm_id::make_qp): a plain qp knows nothing of connections.
+class connection_reset : public completion_error {
+  public:
+    connection_reset(const ibv_wc& wc, const char* operation);
 };
 
 } // namespace ringverbs

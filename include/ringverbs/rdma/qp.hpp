@@ -271,6 +271,7 @@ class qp::request : detail::wr_op, detail::wait_core {
     ibv_wc first_error_{};
     std::size_t seen_ = 0;
     bool failed_ = false;          // a completion of the chain failed (first_error_)
+    bool closed_ = false;          // ... flushed after its connection ended (connection_reset)
     bool done_ = false;            // the chain's last completion came (result_)
     bool cancelled_early_ = false; // stopped before it was posted: nothing owed
     bool abandoned_ = false;       // its awaiter gives up on it (abandon())

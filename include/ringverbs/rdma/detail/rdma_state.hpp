@@ -192,6 +192,9 @@ struct qp_state {
     // set until a post finds the QP out of that state (the user reset and connected it).
     bool in_error = false;
     bool posted_in_error = false; // the request being posted goes to a QP in the error state
+    // The connection of this QP's cm_id ended (DISCONNECTED, or our rdma_disconnect): its
+    // flushes from now on end their awaits with connection_reset.
+    bool connection_closed = false;
     // An async error event named this QP (device_events): QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
     bool async_failed = false;
     ibv_event_type async_error{};
