@@ -72,6 +72,26 @@ task<void> resolve(cm_id& id, const sockaddr_in& to) {
     co_await id.resolve_route(wait_options(5s));
 }
 
+// What a connecting id needs before connect(), made on the device resolution found: a PD, a
+// completion channel, a CQ and the id's qp.
+struct connector {
+    std::optional<verbs::context> dev;
+    std::optional<verbs::protection_domain> pd;
+    std::optional<channel> comp;
+    std::optional<cq> c;
+    std::optional<qp> q;
+
+    // Resolves `to` on `id` and makes the rest.
+    task<void> prepare(io_context& io, cm_id& id, const sockaddr_in& to) {
+        co_await resolve(id, to);
+        dev.emplace(id.device());
+        pd.emplace(*dev);
+        comp.emplace(io, *dev);
+        c.emplace(*comp);
+        q.emplace(id.make_qp(*pd, *c, *c));
+    }
+};
+
 } // namespace
 
 TEST_CASE("self-connect: one event channel listens and connects; private data both ways; "
@@ -178,18 +198,9 @@ TEST_CASE("connect where nothing listens: refused, and the message says so") {
     io_context io;
     cm_channel events(io);
     cm_id id(events);
-    std::optional<verbs::context> dev;
-    std::optional<verbs::protection_domain> pd;
-    std::optional<channel> comp;
-    std::optional<cq> c;
-    std::optional<qp> q;
+    connector parts;
     auto attempt = [&]() -> task<void> {
-        co_await resolve(id, at);
-        dev.emplace(id.device());
-        pd.emplace(*dev);
-        comp.emplace(io, *dev);
-        c.emplace(*comp);
-        q.emplace(id.make_qp(*pd, *c, *c));
+        co_await parts.prepare(io, id, at);
         co_await id.connect({}, wait_options(10s));
     };
     auto t0 = std::chrono::steady_clock::now();
@@ -222,19 +233,10 @@ TEST_CASE("connect to an address nobody has: ends within the channel's default s
     io_context io;
     cm_channel events(io); // the default cm_channel_options: step_timeout 15 s
     cm_id id(events);
-    std::optional<verbs::context> dev;
-    std::optional<verbs::protection_domain> pd;
-    std::optional<channel> comp;
-    std::optional<cq> c;
-    std::optional<qp> q;
+    connector parts;
     std::chrono::steady_clock::time_point connect_started;
     auto attempt = [&]() -> task<void> {
-        co_await resolve(id, nobody); // a dummy netdev resolves every neighbour at once
-        dev.emplace(id.device());
-        pd.emplace(*dev);
-        comp.emplace(io, *dev);
-        c.emplace(*comp);
-        q.emplace(id.make_qp(*pd, *c, *c));
+        co_await parts.prepare(io, id, nobody); // a dummy netdev resolves every neighbour at once
         connect_started = std::chrono::steady_clock::now();
         co_await id.connect(); // no wait_options: the channel's bound applies
     };
