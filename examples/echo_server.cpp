@@ -31,6 +31,7 @@
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/signal_set.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/channel.hpp>
@@ -692,15 +693,20 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
     }
 }
 
-task<void> watch_signals(echo_server& server, int fd) {
-    const int signal_number =
-        co_await echo::next_signal(server.io, fd, server.stopping.get_token());
-    if (signal_number != 0) {
-        std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number),
-                    server.open.load());
-        std::fflush(stdout);
-        server.stopping.request_stop();
+// The first SIGINT or SIGTERM stops the server; the watch also ends when the server stops for
+// another reason (its stop cancels the wait).
+task<void> watch_signals(echo_server& server, signal_set& signals) {
+    int signal_number = 0;
+    try {
+        signal_number = co_await signals.wait(wait_options(server.stopping.get_token()));
+    } catch (const std::system_error& e) {
+        if (e.code() != std::errc::operation_canceled) throw;
+        co_return;
     }
+    std::printf("echo_server: %s: closing %d connection(s)\n", strsignal(signal_number),
+                server.open.load());
+    std::fflush(stdout);
+    server.stopping.request_stop();
 }
 
 server_options parse(int argc, char** argv) {
@@ -831,8 +837,9 @@ int main(int argc, char** argv) {
     try {
         echo::check_device(options.device);
         const sockaddr_storage address = echo::address_of(options.address, options.port);
-        const int signals = echo::signal_fd();
         io_context io;
+        // Blocked in this thread before the workers' threads start, which inherit the mask.
+        signal_set signals(io, {SIGINT, SIGTERM});
         echo_server server(io, options);
         server.workers.push_back(std::make_unique<worker>(server, 0));
         server.workers.front()->io = &io;
@@ -865,7 +872,6 @@ int main(int argc, char** argv) {
             served, static_cast<unsigned long long>(messages),
             static_cast<unsigned long long>(bytes),
             static_cast<unsigned long long>(server.rejected));
-        ::close(signals);
         return 0;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "echo_server: %s\n", e.what());

@@ -113,7 +113,7 @@ if [ ! -f build-tsan/build.ninja ]; then
     CXX=clang++ meson setup build-tsan -Dwerror=true --buildtype=debugoptimized -Db_sanitize=thread \
         -Db_lundef=false -Dcpp_args=-fno-sanitize=function -Dcpp_link_args=-fno-sanitize=function
 fi
-tsan_tests=(io_context poll file_io timer)
+tsan_tests=(io_context poll file_io timer signal_set)
 # shellcheck disable=SC2046 # word splitting wanted: one target per test
 ninja -C build-tsan $(printf 'tests/engine/%s_test ' "${tsan_tests[@]}")
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
