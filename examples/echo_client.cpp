@@ -22,6 +22,7 @@
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/signal_set.hpp>
 #include <ringverbs/rdma/channel.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/qp.hpp>
@@ -451,11 +452,15 @@ task<void> guarded(client& cl, int number) {
     }
 }
 
-task<void> watch_signals(client& cl, int fd) {
-    // (The result is bound to a variable first: GCC 12 destroys a task awaited inside an if
-    // condition too early.)
-    const int sig = co_await echo::next_signal(cl.io, fd, cl.stopping.get_token());
-    if (sig != 0) cl.stopping.request_stop();
+// SIGINT / SIGTERM stop the clients; the end of every connection stops the watch.
+task<void> watch_signals(client& cl, signal_set& signals) {
+    try {
+        (void)co_await signals.wait(wait_options(cl.stopping.get_token()));
+    } catch (const std::system_error& e) {
+        if (e.code() != std::errc::operation_canceled) throw;
+        co_return;
+    }
+    cl.stopping.request_stop();
 }
 
 task<void> all_connections(client& cl) {
@@ -516,13 +521,12 @@ int main(int argc, char** argv) {
         return *status;
     try {
         echo::check_device(cfg.device);
-        const int signals = echo::signal_fd();
         io_context io;
+        signal_set signals(io, {SIGINT, SIGTERM});
         client cl(io, cfg, echo::address_of(cfg.address, cfg.port));
         const auto t0 = clock_type::now();
         io.run(when_all(watch_signals(cl, signals), all_connections(cl)));
         const double secs = std::chrono::duration<double>(clock_type::now() - t0).count();
-        ::close(signals);
 
         auto pct = [&](double p) { return cl.latency.percentile(p); };
         const double rate = static_cast<double>(cl.verified) / secs;

@@ -1,5 +1,5 @@
 // What examples/echo_server.cpp and examples/echo_client.cpp share: addresses, options, the
-// device check, signals through the ring, and the few bytes the server tells each client.
+// device check, and the few bytes the server tells each client.
 #pragma once
 
 #include <ringverbs/rdma/channel.hpp>
@@ -7,8 +7,6 @@
 #include <ringverbs/verbs.hpp>
 
 #include <netdb.h>
-#include <signal.h>
-#include <sys/signalfd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -107,34 +105,6 @@ inline void check_device(const std::string& name) {
             names += (i ? ", " : "") + std::string(devices[i].name());
         throw std::runtime_error("no RDMA device called '" + name + "' (there is: " + names + ")");
     }
-}
-
-// SIGINT and SIGTERM, blocked and delivered to a signalfd that the ring reads.
-inline int signal_fd() {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    if (sigprocmask(SIG_BLOCK, &set, nullptr) != 0)
-        ringverbs::throw_system_error(errno, "sigprocmask");
-    int fd = signalfd(-1, &set, SFD_CLOEXEC);
-    if (fd < 0) ringverbs::throw_system_error(errno, "signalfd");
-    return fd;
-}
-
-// co_await next_signal(io, fd, stop): the number of the next signal (read through the ring),
-// or 0 once `stop` is requested.
-inline ringverbs::task<int> next_signal(ringverbs::io_context& io, int fd, std::stop_token stop) {
-    signalfd_siginfo info{};
-    try {
-        auto bytes = std::as_writable_bytes(std::span(&info, 1));
-        co_await ringverbs::read(io, fd, bytes, ringverbs::current_position,
-                                 ringverbs::wait_options(stop));
-    } catch (const std::system_error& e) {
-        if (e.code() == std::errc::operation_canceled) co_return 0;
-        throw;
-    }
-    co_return static_cast<int>(info.ssi_signo);
 }
 
 // The private data of the server's accept: what it takes, so that a client can say why a
