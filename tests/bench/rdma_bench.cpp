@@ -45,6 +45,7 @@
 // operator delete (malloc/free underneath) as mismatched once both are inlined: a false positive.
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #include "alloc_counter.hpp"
+#include "bench_common.hpp"
 
 #include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/engine/task.hpp>
@@ -59,9 +60,7 @@
 #include <liburing.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 #include <x86intrin.h>
 
@@ -69,12 +68,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cinttypes>
-#include <coroutine>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -93,46 +90,30 @@ enum class test_kind { lat, rate };
 enum class recv_style { next, await };
 enum class send_style { await, unsignaled, raw };
 
-struct config {
+struct config : bench::common_options {
+    config()
+        : common_options{.iters = 2000,
+                         .warmup = 200,
+                         .size = 2,
+                         .window = 128,
+                         .chain = 16,
+                         .recv_depth = 1024} {}
     test_kind test = test_kind::lat;
-    polling_mode mode = polling_mode::events;
-    long iters = 2000;
-    long warmup = 200;
-    std::uint32_t size = 2;
     bool inline_data = false; // perftest on rxe reports "Max inline data: 0[B]": it does not inline
     int solicited = -1;       // -1: on for lat in events mode, off otherwise
     recv_style recv = recv_style::next;
     send_style send = send_style::unsignaled;
-    unsigned window = 128;      // rate: sends in flight
-    unsigned chain = 16;        // rate: requests per post_send / post_recv chain
-    unsigned recv_depth = 1024; // rate: receives posted at the server
     long hybrid_spin_us = 50;
     long hybrid_spin_max_us = 0; // channel_options::hybrid_spin_max (0: fixed window)
     bool single_issuer = true;   // io_context_options::single_issuer (DEFER_TASKRUN)
     bool raw = false;            // lat: plain verbs, no runtime (the harness's floor)
     bool raw_uring = false;      // --raw 1, events: wait in a bare liburing poll, then read
-    unsigned timeout_s = 120;
     unsigned ack_batch = 64;
     unsigned poll_batch = 32;
-    std::string device = "rxe0";
-    std::uint32_t gid_index = 1;
-    std::uint8_t port = 1;
     std::string listen;  // ADDR:PORT: the server alone, across hosts
     std::string connect; // ADDR:PORT: the client alone, across hosts
     std::string samples; // lat: FILE for every half round trip (us), written after the run
 };
-
-const char* mode_name(polling_mode m) {
-    switch (m) {
-    case polling_mode::events:
-        return "events";
-    case polling_mode::busy:
-        return "busy";
-    case polling_mode::hybrid:
-        return "hybrid";
-    }
-    return "?";
-}
 
 [[noreturn]] void usage() {
     std::fprintf(stderr,
@@ -148,13 +129,8 @@ const char* mode_name(polling_mode m) {
     std::exit(2);
 }
 
-config parse(int argc, char** argv) {
-    config c;
-    if (const char* d = std::getenv("RINGVERBS_DEVICE"); d && *d) c.device = d;
-    if (const char* g = std::getenv("RINGVERBS_GID_INDEX"); g && *g)
-        c.gid_index = static_cast<std::uint32_t>(std::stoul(g));
-    if (argc < 2) usage();
-    std::string_view t = argv[1];
+// lat or rate, and what rate changes of lat's defaults; false for another name.
+bool set_test(config& c, std::string_view t) {
     if (t == "lat")
         c.test = test_kind::lat;
     else if (t == "rate") {
@@ -163,92 +139,71 @@ config parse(int argc, char** argv) {
         c.iters = 20000;
         c.warmup = 2048;
     } else
-        usage();
-    for (int i = 2; i < argc; ++i) {
-        std::string_view a = argv[i];
-        if (i + 1 >= argc) usage();
-        std::string v = argv[++i];
-        auto num = [&] { return std::stol(v); };
-        if (a == "--mode") {
-            if (v == "events")
-                c.mode = polling_mode::events;
-            else if (v == "busy")
-                c.mode = polling_mode::busy;
-            else if (v == "hybrid")
-                c.mode = polling_mode::hybrid;
-            else
-                usage();
-        } else if (a == "--iters")
-            c.iters = num();
-        else if (a == "--warmup")
-            c.warmup = num();
-        else if (a == "--size")
-            c.size = static_cast<std::uint32_t>(num());
-        else if (a == "--inline")
-            c.inline_data = num() != 0;
-        else if (a == "--solicited")
-            c.solicited = num() != 0;
-        else if (a == "--recv") {
-            if (v == "next")
-                c.recv = recv_style::next;
-            else if (v == "await")
-                c.recv = recv_style::await;
-            else
-                usage();
-        } else if (a == "--send") {
-            if (v == "await")
-                c.send = send_style::await;
-            else if (v == "unsignaled")
-                c.send = send_style::unsignaled;
-            else if (v == "raw")
-                c.send = send_style::raw;
-            else
-                usage();
-        } else if (a == "--window")
-            c.window = static_cast<unsigned>(num());
-        else if (a == "--chain")
-            c.chain = static_cast<unsigned>(num());
-        else if (a == "--recv-depth")
-            c.recv_depth = static_cast<unsigned>(num());
-        else if (a == "--hybrid-spin-us")
-            c.hybrid_spin_us = num();
-        else if (a == "--hybrid-spin-max-us")
-            c.hybrid_spin_max_us = num();
-        else if (a == "--ack-batch")
-            c.ack_batch = static_cast<unsigned>(num());
-        else if (a == "--poll-batch")
-            c.poll_batch = static_cast<unsigned>(num());
-        else if (a == "--device")
-            c.device = v;
-        else if (a == "--gid-index")
-            c.gid_index = static_cast<std::uint32_t>(num());
-        else if (a == "--raw")
-            c.raw = num() != 0;
-        else if (a == "--raw-wait") {
-            if (v == "read")
-                c.raw_uring = false;
-            else if (v == "uring")
-                c.raw_uring = true;
-            else
-                usage();
-        } else if (a == "--ring") {
-            if (v == "defer")
-                c.single_issuer = true;
-            else if (v == "coop")
-                c.single_issuer = false;
-            else
-                usage();
-        } else if (a == "--timeout")
-            c.timeout_s = static_cast<unsigned>(num());
-        else if (a == "--listen")
-            c.listen = v;
-        else if (a == "--connect")
-            c.connect = v;
-        else if (a == "--samples")
-            c.samples = v;
+        return false;
+    return true;
+}
+
+// One of rdma_bench's own options; false for a name it does not know.
+bool parse_option(config& c, std::string_view a, const std::string& v) {
+    auto num = [&] { return std::stol(v); };
+    if (a == "--inline")
+        c.inline_data = num() != 0;
+    else if (a == "--solicited")
+        c.solicited = num() != 0;
+    else if (a == "--recv") {
+        if (v == "next")
+            c.recv = recv_style::next;
+        else if (v == "await")
+            c.recv = recv_style::await;
         else
             usage();
-    }
+    } else if (a == "--send") {
+        if (v == "await")
+            c.send = send_style::await;
+        else if (v == "unsignaled")
+            c.send = send_style::unsignaled;
+        else if (v == "raw")
+            c.send = send_style::raw;
+        else
+            usage();
+    } else if (a == "--hybrid-spin-us")
+        c.hybrid_spin_us = num();
+    else if (a == "--hybrid-spin-max-us")
+        c.hybrid_spin_max_us = num();
+    else if (a == "--ack-batch")
+        c.ack_batch = static_cast<unsigned>(num());
+    else if (a == "--poll-batch")
+        c.poll_batch = static_cast<unsigned>(num());
+    else if (a == "--raw")
+        c.raw = num() != 0;
+    else if (a == "--raw-wait") {
+        if (v == "read")
+            c.raw_uring = false;
+        else if (v == "uring")
+            c.raw_uring = true;
+        else
+            usage();
+    } else if (a == "--ring") {
+        if (v == "defer")
+            c.single_issuer = true;
+        else if (v == "coop")
+            c.single_issuer = false;
+        else
+            usage();
+    } else if (a == "--listen")
+        c.listen = v;
+    else if (a == "--connect")
+        c.connect = v;
+    else if (a == "--samples")
+        c.samples = v;
+    else
+        return false;
+    return true;
+}
+
+config parse(int argc, char** argv) {
+    config c;
+    bench::parse_command_line(argc, argv, c, usage, set_test, parse_option);
     if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
     if (c.send == send_style::raw && c.recv != recv_style::next) usage();
     if (c.raw && (c.test != test_kind::lat || c.mode == polling_mode::hybrid)) usage();
@@ -293,193 +248,45 @@ double clock_now_ns() {
     return static_cast<double>(__rdtsc() - c0) / tsc_per_us * 1000.0 / n;
 }
 
-// ---------------------------------------------------------------------------------------------
-// The socketpair between the two processes.
-
-void write_all(int fd, const void* p, std::size_t n) {
-    auto* b = static_cast<const char*>(p);
-    while (n > 0) {
-        ssize_t r = ::write(fd, b, n);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) throw std::runtime_error("socketpair write failed");
-        b += r;
-        n -= static_cast<std::size_t>(r);
-    }
-}
-
-void read_all(int fd, void* p, std::size_t n) {
-    auto* b = static_cast<char*>(p);
-    while (n > 0) {
-        ssize_t r = ::read(fd, b, n);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) throw std::runtime_error("socketpair read failed (peer gone)");
-        b += r;
-        n -= static_cast<std::size_t>(r);
-    }
-}
-
-struct wire_endpoint {
-    std::uint32_t qpn;
-    std::uint32_t psn;
-    ibv_gid gid;
-};
-
-// What each side measured in its timed part.
-struct side_stats {
-    std::uint64_t allocations = 0;
-    std::uint64_t messages = 0;
-    double seconds = 0;
-    channel_counters ch{};
-    std::uint64_t vcsw = 0;  // voluntary context switches (sleeps)
-    std::uint64_t ivcsw = 0; // involuntary ones (preemption)
-    double cpu_us = 0;       // user + system CPU time of the process
-    char error[160] = {};
-};
-
-// A window over the timed part: allocations, channel counters, context switches.
-struct window {
-    const channel* ch = nullptr;
-    std::uint64_t a0 = 0, c0 = 0, c1 = 0;
-    channel_counters k0{};
-    rusage r0{};
-    bool open = false, closed = false;
-    side_stats* out = nullptr;
-
-    void begin() {
-        if (open) return;
-        open = true;
-        getrusage(RUSAGE_SELF, &r0);
-        if (ch) k0 = ch->counters();
-        c0 = __rdtsc();
-        a0 = bench::allocations.load(std::memory_order_relaxed);
-    }
-    void end(std::uint64_t messages) {
-        if (closed) return;
-        closed = true;
-        std::uint64_t a1 = bench::allocations.load(std::memory_order_relaxed);
-        c1 = __rdtsc();
-        const channel_counters k = ch ? ch->counters() : channel_counters{};
-        rusage r1{};
-        getrusage(RUSAGE_SELF, &r1);
-        out->allocations = a1 - a0;
-        out->messages = messages;
-        out->seconds = static_cast<double>(c1 - c0) / tsc_per_us / 1e6;
-        out->ch.wakeups = k.wakeups - k0.wakeups;
-        out->ch.events = k.events - k0.events;
-        out->ch.acks = k.acks - k0.acks;
-        out->ch.arms = k.arms - k0.arms;
-        out->ch.polls = k.polls - k0.polls;
-        out->ch.empty_polls = k.empty_polls - k0.empty_polls;
-        out->ch.completions = k.completions - k0.completions;
-        out->vcsw = static_cast<std::uint64_t>(r1.ru_nvcsw - r0.ru_nvcsw);
-        out->ivcsw = static_cast<std::uint64_t>(r1.ru_nivcsw - r0.ru_nivcsw);
-        auto us = [](const timeval& t) {
-            return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_usec);
-        };
-        out->cpu_us = us(r1.ru_utime) - us(r0.ru_utime) + us(r1.ru_stime) - us(r0.ru_stime);
+// The timed part's clock: the TSC, for window<>.
+struct tsc_timer {
+    using time_point = std::uint64_t;
+    static time_point now() noexcept { return __rdtsc(); }
+    static double seconds(time_point c0, time_point c1) {
+        return static_cast<double>(c1 - c0) / tsc_per_us / 1e6;
     }
 };
-
-// A registered buffer.
-struct region {
-    std::vector<std::byte> bytes;
-    verbs::memory_region mr;
-    region(const verbs::protection_domain& pd, std::size_t n)
-        : bytes(n), mr(pd, bytes, verbs::access::local_write) {}
-    local_buffer at(std::size_t off, std::size_t len) {
-        return local_buffer(mr, std::span(bytes).subspan(off, len));
-    }
-};
-
-// One coroutine waits, another signals (--recv await): counts signals nobody waited for yet.
-// Resumes the waiter through io_context::ready(), like the runtime's own awaitables.
-struct handoff {
-    io_context* io;
-    std::coroutine_handle<> waiter;
-    long pending = 0;
-    void signal() {
-        if (waiter)
-            ringverbs::detail::loop(*io).ready(std::exchange(waiter, {}));
-        else
-            ++pending;
-    }
-    auto wait() noexcept {
-        struct awaiter {
-            handoff& h;
-            bool await_ready() noexcept {
-                if (h.pending == 0) return false;
-                --h.pending;
-                return true;
-            }
-            void await_suspend(std::coroutine_handle<> c) noexcept { h.waiter = c; }
-            void await_resume() noexcept {}
-        };
-        return awaiter{*this};
-    }
-};
-
-void check(const ibv_wc& wc, const char* what) {
-    if (wc.status != IBV_WC_SUCCESS)
-        throw std::runtime_error(std::string(what) + ": " + ibv_wc_status_str(wc.status));
-}
+using window = bench::window<tsc_timer>;
 
 // INIT -> RTR -> RTS against the other process's QP, whose QPN, PSN and GID come over the
-// socketpair.
+// socket.
 void connect_qp(verbs::queue_pair& qp, const verbs::context& dev, const config& cfg, int sock) {
-    ibv_port_attr pa = dev.query_port(cfg.port);
-    ibv_gid_entry ge = dev.query_gid(cfg.port, cfg.gid_index);
-    std::uint32_t psn = (static_cast<std::uint32_t>(::getpid()) * 2654435761u) & 0xffffff;
-    qp.to_init(cfg.port);
-    wire_endpoint me{qp.qp_num(), psn, ge.gid}, peer{};
-    write_all(sock, &me, sizeof me);
-    read_all(sock, &peer, sizeof peer);
-    verbs::rtr_params rtr;
-    rtr.port = cfg.port;
-    rtr.remote_qpn = peer.qpn;
-    rtr.remote_psn = peer.psn;
-    rtr.remote_gid = peer.gid;
-    rtr.sgid_index = static_cast<std::uint8_t>(cfg.gid_index);
-    rtr.mtu = pa.active_mtu;
-    qp.to_rtr(rtr);
-    verbs::rts_params rts;
-    rts.sq_psn = psn;
-    qp.to_rts(rts);
-}
-
-// Both processes past this point (receives posted, QPs in RTS).
-void sync_with_peer(int sock) {
-    char b = 'b';
-    write_all(sock, &b, 1);
-    read_all(sock, &b, 1);
+    verbs::queue_pair* const one[] = {&qp};
+    bench::connect_qps(one, dev, cfg, sock);
 }
 
 // ---------------------------------------------------------------------------------------------
 // One process: device, runtime objects, connection, then the test.
 
-struct side {
+struct side : bench::process_runtime {
     const config& cfg;
     bool client;
     int sock;
-    verbs::context dev;
-    verbs::protection_domain pd;
-    io_context io;
-    channel ch;
     cq c;
     qp q;
-    side_stats stats;
+    bench::side_stats stats;
     window win;
 
     side(const config& k, bool is_client, int s)
-        : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev),
-          io(io_context_options{
-              .sq_entries = 256, .cq_entries = 4096, .single_issuer = k.single_issuer}),
-          ch(io, dev,
-             channel_options{.priority = 0,
-                             .mode = k.mode,
-                             .hybrid_spin = std::chrono::microseconds(k.hybrid_spin_us),
-                             .ack_batch = k.ack_batch,
-                             .poll_batch = k.poll_batch,
-                             .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us)}),
+        : process_runtime(
+              k, k.single_issuer,
+              channel_options{.priority = 0,
+                              .mode = k.mode,
+                              .hybrid_spin = std::chrono::microseconds(k.hybrid_spin_us),
+                              .ack_batch = k.ack_batch,
+                              .poll_batch = k.poll_batch,
+                              .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us)}),
+          cfg(k), client(is_client), sock(s),
           // What the QP's two queues can hold at once (the qp refuses a smaller CQ).
           c(ch, cq_options{.entries = k.test == test_kind::rate
                                           ? static_cast<int>(k.window + k.recv_depth) + 33
@@ -499,19 +306,19 @@ struct side {
 
     void connect() { connect_qp(q.native_qp(), dev, cfg, sock); }
 
-    void barrier() { sync_with_peer(sock); }
+    void barrier() { bench::sync_with_peer(sock); }
 
     // --- lat ---------------------------------------------------------------------------------
 
     static constexpr unsigned lat_slots = 16;
 
     struct lat_state {
-        region sbuf;
-        region rbuf;
+        bench::region sbuf;
+        bench::region rbuf;
         ibv_sge rsge[lat_slots]{};
         ibv_recv_wr rwr[lat_slots]{};
         std::vector<std::uint64_t> stamps;
-        handoff h;
+        bench::handoff h;
         lat_state(side& s)
             : sbuf(s.pd, std::max<std::size_t>(s.cfg.size, 64)),
               rbuf(s.pd, std::max<std::size_t>(s.cfg.size, 64) * lat_slots),
@@ -581,7 +388,7 @@ struct side {
     // Whether `wc` is the completion of a raw send (to skip).
     static bool raw_send_done(const ibv_wc& wc) {
         if (wc.wr_id != raw_send_id) return false;
-        check(wc, "raw send");
+        bench::check(wc, "raw send");
         return true;
     }
 
@@ -596,7 +403,7 @@ struct side {
             ls.stamps[static_cast<std::size_t>(i)] = __rdtsc();
             ibv_wc wc;
             if (cfg.send != send_style::raw) {
-                check(co_await q.send(payload, so), "ping send");
+                bench::check(co_await q.send(payload, so), "ping send");
                 wc = co_await c.next();
             } else {
                 post_raw_send(ls);
@@ -604,7 +411,7 @@ struct side {
                     wc = co_await c.next();
                 while (raw_send_done(wc));
             }
-            check(wc, "pong recv");
+            bench::check(wc, "pong recv");
             q.native_qp().post_recv(ls.rwr[wc.wr_id]);
         }
         ls.stamps[static_cast<std::size_t>(total)] = __rdtsc();
@@ -622,10 +429,10 @@ struct side {
             do
                 wc = co_await c.next();
             while (raw_send_done(wc));
-            check(wc, "ping recv");
+            bench::check(wc, "ping recv");
             q.native_qp().post_recv(ls.rwr[wc.wr_id]);
             if (cfg.send != send_style::raw)
-                check(co_await q.send(payload, so), "pong send");
+                bench::check(co_await q.send(payload, so), "pong send");
             else
                 post_raw_send(ls);
         }
@@ -634,7 +441,7 @@ struct side {
         do
             fin = co_await c.next();
         while (raw_send_done(fin));
-        check(fin, "fin recv");
+        bench::check(fin, "fin recv");
     }
 
     // --recv await: one coroutine per side awaits every receive with co_await q.recv() (one
@@ -643,7 +450,7 @@ struct side {
     task<void> lat_receiver(lat_state& ls, long count) {
         const std::size_t stride = std::max<std::size_t>(cfg.size, 64);
         for (long i = 0; i < count; ++i) {
-            check(co_await q.recv(ls.rbuf.at(0, stride)), "recv");
+            bench::check(co_await q.recv(ls.rbuf.at(0, stride)), "recv");
             ls.h.signal();
         }
     }
@@ -655,7 +462,7 @@ struct side {
         for (long i = 0; i < total; ++i) {
             if (i == cfg.warmup) win.begin();
             ls.stamps[static_cast<std::size_t>(i)] = __rdtsc();
-            check(co_await q.send(payload, so), "ping send");
+            bench::check(co_await q.send(payload, so), "ping send");
             co_await ls.h.wait();
         }
         ls.stamps[static_cast<std::size_t>(total)] = __rdtsc();
@@ -670,7 +477,7 @@ struct side {
         for (long i = 0; i < total; ++i) {
             if (i == cfg.warmup) win.begin();
             co_await ls.h.wait();
-            check(co_await q.send(payload, so), "pong send");
+            bench::check(co_await q.send(payload, so), "pong send");
         }
         win.end(static_cast<std::uint64_t>(cfg.iters));
     }
@@ -707,14 +514,10 @@ struct side {
 
     // --- rate --------------------------------------------------------------------------------
 
-    struct rate_chain {
-        std::vector<ibv_send_wr> swr;
-        std::vector<ibv_recv_wr> rwr;
-        std::vector<ibv_sge> sge;
-    };
+    using rate_chain = bench::wr_chain;
 
     struct rate_state {
-        region buf;
+        bench::region buf;
         std::vector<rate_chain> chains;
         long claimed = 0; // messages whose chain was posted (or is about to be)
         long done = 0;    // messages whose chain completed
@@ -724,7 +527,7 @@ struct side {
         const long total = cfg.warmup + cfg.iters;
         while (rs.claimed < total) {
             rs.claimed += cfg.chain;
-            check(co_await q.post_send(ch.swr[0]), "send chain");
+            bench::check(co_await q.post_send(ch.swr[0]), "send chain");
             rs.done += cfg.chain;
             if (rs.done >= cfg.warmup) win.begin();
             if (rs.done >= total) win.end(static_cast<std::uint64_t>(cfg.iters));
@@ -735,7 +538,7 @@ struct side {
         const long total = cfg.warmup + cfg.iters;
         while (rs.claimed < total) {
             rs.claimed += cfg.chain;
-            check(co_await q.post_recv(ch.rwr[0]), "recv chain");
+            bench::check(co_await q.post_recv(ch.rwr[0]), "recv chain");
             rs.done += cfg.chain;
             if (rs.done >= cfg.warmup) win.begin();
             if (rs.done >= total) win.end(static_cast<std::uint64_t>(cfg.iters));
@@ -745,29 +548,16 @@ struct side {
     void run_rate() {
         const unsigned k = cfg.chain;
         const unsigned n = client ? cfg.window / k : cfg.recv_depth / k;
-        rate_state rs{region(pd, std::max<std::size_t>(cfg.size, 64)), std::vector<rate_chain>(n)};
+        rate_state rs{bench::region(pd, std::max<std::size_t>(cfg.size, 64)),
+                      std::vector<rate_chain>(n)};
         std::memset(rs.buf.bytes.data(), 's', rs.buf.bytes.size());
         const ibv_sge one{reinterpret_cast<std::uintptr_t>(rs.buf.bytes.data()), cfg.size,
                           rs.buf.mr.lkey()};
         for (rate_chain& ch : rs.chains) {
-            ch.sge.assign(k, one);
-            if (client) {
-                ch.swr.assign(k, ibv_send_wr{});
-                for (unsigned i = 0; i < k; ++i) {
-                    ch.swr[i].sg_list = &ch.sge[i];
-                    ch.swr[i].num_sge = 1;
-                    ch.swr[i].opcode = IBV_WR_SEND;
-                    ch.swr[i].send_flags = cfg.inline_data ? IBV_SEND_INLINE : 0; // unsignaled
-                    ch.swr[i].next = i + 1 < k ? &ch.swr[i + 1] : nullptr;
-                }
-            } else {
-                ch.rwr.assign(k, ibv_recv_wr{});
-                for (unsigned i = 0; i < k; ++i) {
-                    ch.rwr[i].sg_list = &ch.sge[i];
-                    ch.rwr[i].num_sge = 1;
-                    ch.rwr[i].next = i + 1 < k ? &ch.rwr[i + 1] : nullptr;
-                }
-            }
+            if (client)
+                ch.make_sends(k, one, cfg.inline_data ? IBV_SEND_INLINE : 0);
+            else
+                ch.make_recvs(k, one);
         }
         std::vector<task<void>> tasks;
         tasks.reserve(n);
@@ -803,15 +593,15 @@ struct raw_side {
     verbs::completion_channel chan;
     verbs::completion_queue cq;
     verbs::queue_pair qp;
-    region sbuf;
-    region rbuf;
+    bench::region sbuf;
+    bench::region rbuf;
     ibv_sge rsge[slots]{};
     ibv_recv_wr rwr[slots]{};
     ibv_sge ssge{};
     ibv_send_wr swr{};
     long sends = 0;
     std::vector<std::uint64_t> stamps;
-    side_stats stats;
+    bench::side_stats stats;
     window win;
     bool events;
     bool uring = false;
@@ -932,7 +722,7 @@ struct raw_side {
             ibv_wc got{};
             bool have = false;
             for (int i = 0; i < n; ++i) {
-                check(wc[i], "raw completion");
+                bench::check(wc[i], "raw completion");
                 if (wc[i].wr_id == send_id) continue;
                 got = wc[i];
                 have = true;
@@ -946,7 +736,7 @@ struct raw_side {
         connect_qp(qp, dev, cfg, sock);
         for (auto& w : rwr)
             qp.post_recv(w);
-        sync_with_peer(sock);
+        bench::sync_with_peer(sock);
         if (client) {
             for (long i = 0; i < total; ++i) {
                 if (i == cfg.warmup) win.begin();
@@ -984,7 +774,7 @@ double percentile(std::vector<double> v, double p) {
     return v[std::min(i, v.size() - 1)];
 }
 
-void print_counters(const char* name, const side_stats& s, bool last) {
+void print_counters(const char* name, const bench::side_stats& s, bool last) {
     std::printf("  \"%s\": {\"allocations\": %" PRIu64 ", \"messages\": %" PRIu64
                 ", \"seconds\": %.6f, \"wakeups\": %" PRIu64 ", \"events\": %" PRIu64
                 ", \"acks\": %" PRIu64 ", \"arms\": %" PRIu64 ", \"polls\": %" PRIu64
@@ -999,8 +789,8 @@ void print_counters(const char* name, const side_stats& s, bool last) {
 // Runs one side. The server hands its stats to the client before either tears its QP down
 // (the client's last message must reach the server before the client's QP goes).
 int run_process(const config& cfg, bool client, int sock, std::vector<double>& samples,
-                side_stats& mine, side_stats& server) {
-    try {
+                bench::side_stats& mine, bench::side_stats& server) {
+    return bench::run_side("rdma_bench", client, sock, mine, server, [&] {
         if (cfg.raw) {
             raw_side s(cfg, client, sock);
             s.run(samples);
@@ -1014,18 +804,7 @@ int run_process(const config& cfg, bool client, int sock, std::vector<double>& s
                 s.run_rate();
             mine = s.stats;
         }
-        if (client)
-            read_all(sock, &server, sizeof server);
-        else
-            write_all(sock, &mine, sizeof mine);
-        return 0;
-    } catch (const std::exception& e) {
-        std::snprintf(mine.error, sizeof mine.error, "%s: %s", client ? "client" : "server",
-                      e.what());
-        std::fprintf(stderr, "rdma_bench: %s\n", mine.error);
-        ::shutdown(sock, SHUT_RDWR); // unblocks the peer if it waits on the socketpair
-        return 1;
-    }
+    });
 }
 
 // ADDR:PORT (IPv4) as a socket address; exits 2 on a malformed one.
@@ -1103,55 +882,34 @@ int main(int argc, char** argv) {
     tsc_per_us = calibrate_tsc();
     const double now_ns = clock_now_ns();
 
-    int sv[2];
-    pid_t pid = 0;
+    // The client's samples and the stats of both sides; the server hands its own over the
+    // socket.
+    std::vector<double> samples;
+    bench::side_stats cst, sst;
+    auto run_one_side = [&](bool client, int sock) {
+        if (client) return run_process(cfg, true, sock, samples, cst, sst);
+        std::vector<double> none;
+        bench::side_stats st, unused;
+        return run_process(cfg, false, sock, none, st, unused);
+    };
     if (!cfg.listen.empty()) { // across hosts: this process is the server
         ::alarm(cfg.timeout_s);
         const int s = accept_one(cfg.listen);
         if (s < 0) return 1;
-        std::vector<double> none;
-        side_stats st, unused;
-        return run_process(cfg, false, s, none, st, unused);
+        return run_one_side(false, s);
     }
+    int rc = 0;
     if (!cfg.connect.empty()) { // across hosts: this process is the client
-        sv[0] = connect_to(cfg.connect);
-        if (sv[0] < 0) return 1;
+        const int s = connect_to(cfg.connect);
+        if (s < 0) return 1;
         ::alarm(cfg.timeout_s);
-        pid = -1; // no child
+        rc = run_one_side(true, s);
     } else {
-        if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-            std::perror("socketpair");
-            return 1;
-        }
-        std::fflush(stdout);
-        pid = ::fork();
-        if (pid < 0) {
-            std::perror("fork");
-            return 1;
-        }
-        // A side that waits for a message that never comes (the peer died) must not hang.
-        ::alarm(cfg.timeout_s);
-    }
-    if (pid == 0) { // the server
-        ::close(sv[0]);
-        std::vector<double> none;
-        side_stats st, unused;
-        int rc = run_process(cfg, false, sv[1], none, st, unused);
-        std::fflush(nullptr);
-        ::_exit(rc);
-    }
-    if (pid > 0) ::close(sv[1]);
-    std::vector<double> samples;
-    side_stats cst, sst;
-    int rc = run_process(cfg, true, sv[0], samples, cst, sst);
-    if (pid > 0) {
-        int status = 0;
-        ::waitpid(pid, &status, 0);
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+        rc = bench::run_pair(cfg.timeout_s, run_one_side);
     }
     if (rc != 0) {
         std::fprintf(stderr, "rdma_bench: %s %s failed\n",
-                     cfg.test == test_kind::lat ? "lat" : "rate", mode_name(cfg.mode));
+                     cfg.test == test_kind::lat ? "lat" : "rate", bench::mode_name(cfg.mode));
         return 1;
     }
 
@@ -1159,7 +917,7 @@ int main(int argc, char** argv) {
     const double per_msg = static_cast<double>(allocs) / static_cast<double>(cfg.iters);
     std::printf("{\n");
     std::printf("  \"test\": \"%s\",\n  \"mode\": \"%s\",\n",
-                cfg.test == test_kind::lat ? "lat" : "rate", mode_name(cfg.mode));
+                cfg.test == test_kind::lat ? "lat" : "rate", bench::mode_name(cfg.mode));
     std::printf("  \"bytes\": %u,\n  \"iters\": %ld,\n  \"warmup\": %ld,\n  \"inline\": %s,\n",
                 cfg.size, cfg.iters, cfg.warmup, cfg.inline_data ? "true" : "false");
     std::printf("  \"solicited\": %s,\n", cfg.solicited ? "true" : "false");

@@ -31,6 +31,7 @@
 // operator delete (malloc/free underneath) as mismatched once both are inlined: a false positive.
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #include "alloc_counter.hpp"
+#include "bench_common.hpp"
 
 #include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/engine/task.hpp>
@@ -40,9 +41,6 @@
 #include <ringverbs/rdma/qp.hpp>
 #include <ringverbs/verbs.hpp>
 
-#include <sys/resource.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,7 +50,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <deque>
 #include <exception>
 #include <stdexcept>
@@ -66,43 +63,29 @@ namespace {
 
 using namespace ringverbs;
 using clock_type = std::chrono::steady_clock;
+using window = bench::window<bench::steady_timer>;
 
 // ---------------------------------------------------------------------------------------------
 // Options
 
 enum class test_kind { rate, cqs };
 
-struct config {
+// warmup: rate, -1 by default: max(2048, 2 x window x qps), every window filled twice.
+struct config : bench::common_options {
+    config()
+        : common_options{.iters = 20000,
+                         .warmup = -1,
+                         .size = 64,
+                         .window = 32,
+                         .chain = 8,
+                         .recv_depth = 128} {}
     test_kind test = test_kind::rate;
-    polling_mode mode = polling_mode::events;
     bool shared_cq = true;
-    unsigned qps = 16; // rate: QP pairs; cqs: at most this many QPs (0: count / 2)
-    long iters = 20000;
-    long warmup = -1; // rate: default max(2048, 2 x window x qps): every window filled twice
-    std::uint32_t size = 64;
-    unsigned window = 32;      // rate: sends in flight per QP
-    unsigned chain = 8;        // rate: requests per post_send / post_recv chain
-    unsigned recv_depth = 128; // rate: receives posted per QP at the server
-    unsigned count = 4096;     // cqs: completion queues
-    int entries = 4;           // cqs: entries per CQ
-    unsigned bursts = 6;       // cqs: bursts (the first is a warmup)
-    unsigned timeout_s = 120;
-    std::string device = "rxe0";
-    std::uint32_t gid_index = 1;
-    std::uint8_t port = 1;
+    unsigned qps = 16;     // rate: QP pairs; cqs: at most this many QPs (0: count / 2)
+    unsigned count = 4096; // cqs: completion queues
+    int entries = 4;       // cqs: entries per CQ
+    unsigned bursts = 6;   // cqs: bursts (the first is a warmup)
 };
-
-const char* mode_name(polling_mode m) {
-    switch (m) {
-    case polling_mode::events:
-        return "events";
-    case polling_mode::busy:
-        return "busy";
-    case polling_mode::hybrid:
-        return "hybrid";
-    }
-    return "?";
-}
 
 [[noreturn]] void usage() {
     std::fprintf(
@@ -116,70 +99,44 @@ const char* mode_name(polling_mode m) {
     std::exit(2);
 }
 
-config parse(int argc, char** argv) {
-    config c;
-    if (const char* d = std::getenv("RINGVERBS_DEVICE"); d && *d) c.device = d;
-    if (const char* g = std::getenv("RINGVERBS_GID_INDEX"); g && *g)
-        c.gid_index = static_cast<std::uint32_t>(std::stoul(g));
-    if (argc < 2) usage();
-    const std::string_view t = argv[1];
+// rate or cqs (whose --qps is 0 by default: count / 2 QPs); false for another name.
+bool set_test(config& c, std::string_view t) {
     if (t == "rate")
         c.test = test_kind::rate;
     else if (t == "cqs") {
         c.test = test_kind::cqs;
         c.qps = 0;
     } else
-        usage();
-    for (int i = 2; i < argc; ++i) {
-        const std::string_view a = argv[i];
-        if (i + 1 >= argc) usage();
-        const std::string v = argv[++i];
-        auto num = [&] { return std::stol(v); };
-        if (a == "--mode") {
-            if (v == "events")
-                c.mode = polling_mode::events;
-            else if (v == "busy")
-                c.mode = polling_mode::busy;
-            else if (v == "hybrid")
-                c.mode = polling_mode::hybrid;
-            else
-                usage();
-        } else if (a == "--cq") {
-            if (v == "shared")
-                c.shared_cq = true;
-            else if (v == "per_qp")
-                c.shared_cq = false;
-            else
-                usage();
-        } else if (a == "--qps")
-            c.qps = static_cast<unsigned>(num());
-        else if (a == "--iters")
-            c.iters = num();
-        else if (a == "--warmup")
-            c.warmup = num();
-        else if (a == "--size")
-            c.size = static_cast<std::uint32_t>(num());
-        else if (a == "--window")
-            c.window = static_cast<unsigned>(num());
-        else if (a == "--chain")
-            c.chain = static_cast<unsigned>(num());
-        else if (a == "--recv-depth")
-            c.recv_depth = static_cast<unsigned>(num());
-        else if (a == "--count")
-            c.count = static_cast<unsigned>(num());
-        else if (a == "--entries")
-            c.entries = static_cast<int>(num());
-        else if (a == "--bursts")
-            c.bursts = static_cast<unsigned>(num());
-        else if (a == "--timeout")
-            c.timeout_s = static_cast<unsigned>(num());
-        else if (a == "--device")
-            c.device = v;
-        else if (a == "--gid-index")
-            c.gid_index = static_cast<std::uint32_t>(num());
+        return false;
+    return true;
+}
+
+// One of scale_bench's own options; false for a name it does not know.
+bool parse_option(config& c, std::string_view a, const std::string& v) {
+    auto num = [&] { return std::stol(v); };
+    if (a == "--cq") {
+        if (v == "shared")
+            c.shared_cq = true;
+        else if (v == "per_qp")
+            c.shared_cq = false;
         else
             usage();
-    }
+    } else if (a == "--qps")
+        c.qps = static_cast<unsigned>(num());
+    else if (a == "--count")
+        c.count = static_cast<unsigned>(num());
+    else if (a == "--entries")
+        c.entries = static_cast<int>(num());
+    else if (a == "--bursts")
+        c.bursts = static_cast<unsigned>(num());
+    else
+        return false;
+    return true;
+}
+
+config parse(int argc, char** argv) {
+    config c;
+    bench::parse_command_line(argc, argv, c, usage, set_test, parse_option);
     if (c.size == 0 || c.size > 4096) usage();
     if (c.test == test_kind::rate) {
         if (c.warmup < 0) c.warmup = std::max<long>(2048, 2L * c.window * c.qps);
@@ -193,58 +150,7 @@ config parse(int argc, char** argv) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared pieces
-
-void check(const ibv_wc& wc, const char* what) {
-    if (wc.status != IBV_WC_SUCCESS)
-        throw std::runtime_error(std::string(what) + ": " + ibv_wc_status_str(wc.status));
-}
-
-double since_us(clock_type::time_point t0, clock_type::time_point t1) {
-    return std::chrono::duration<double, std::micro>(t1 - t0).count();
-}
-
-double cpu_us(const rusage& r) {
-    auto us = [](const timeval& t) {
-        return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_usec);
-    };
-    return us(r.ru_utime) + us(r.ru_stime);
-}
-
-// A registered buffer.
-struct region {
-    std::vector<std::byte> bytes;
-    verbs::memory_region mr;
-    region(const verbs::protection_domain& pd, std::size_t n)
-        : bytes(n, std::byte{'s'}), mr(pd, bytes, verbs::access::local_write) {}
-};
-
-// One coroutine waits, others signal: resumes the waiter through io_context::ready(), like the
-// runtime's own awaitables (as in rdma_bench).
-struct handoff {
-    io_context* io;
-    std::coroutine_handle<> waiter;
-    long pending = 0;
-    void signal() {
-        if (waiter)
-            ringverbs::detail::loop(*io).ready(std::exchange(waiter, {}));
-        else
-            ++pending;
-    }
-    auto wait() noexcept {
-        struct awaiter {
-            handoff& h;
-            bool await_ready() noexcept {
-                if (h.pending == 0) return false;
-                --h.pending;
-                return true;
-            }
-            void await_suspend(std::coroutine_handle<> c) noexcept { h.waiter = c; }
-            void await_resume() noexcept {}
-        };
-        return awaiter{*this};
-    }
-};
+// rate: the run queue, primed
 
 // Many coroutines released together. The io_context's run queue grows to its peak once, the
 // first time that many coroutines are ready in the same turn; with hundreds of chain coroutines
@@ -280,118 +186,20 @@ struct prime_gate {
     }
 };
 
-// What one side measured in its timed part (sent over the socketpair: plain data).
-struct side_stats {
-    std::uint64_t allocations = 0;
-    std::uint64_t messages = 0;
-    double seconds = 0;
-    channel_counters ch{};
-    std::uint64_t vcsw = 0; // voluntary context switches (sleeps)
-    double cpu_us = 0;      // user + system CPU time of the process
-    std::uint64_t setup_us = 0;
-    char error[160] = {};
-};
-
-// The timed part: allocations, channel counters, context switches, CPU.
-struct window {
-    const channel* ch = nullptr;
-    side_stats* out = nullptr;
-    std::uint64_t a0 = 0, m0 = 0;
-    channel_counters k0{};
-    rusage r0{};
-    clock_type::time_point t0{};
-    bool open = false, closed = false;
-
-    void begin(std::uint64_t messages_so_far) {
-        if (open) return;
-        open = true;
-        m0 = messages_so_far;
-        getrusage(RUSAGE_SELF, &r0);
-        k0 = ch->counters();
-        t0 = clock_type::now();
-        a0 = bench::allocations.load(std::memory_order_relaxed);
-    }
-    void end(std::uint64_t messages_so_far) {
-        if (closed || !open) return;
-        closed = true;
-        const std::uint64_t a1 = bench::allocations.load(std::memory_order_relaxed);
-        const auto t1 = clock_type::now();
-        const channel_counters k = ch->counters();
-        rusage r1{};
-        getrusage(RUSAGE_SELF, &r1);
-        out->allocations = a1 - a0;
-        out->messages = messages_so_far - m0;
-        out->seconds = since_us(t0, t1) / 1e6;
-        out->ch.wakeups = k.wakeups - k0.wakeups;
-        out->ch.events = k.events - k0.events;
-        out->ch.acks = k.acks - k0.acks;
-        out->ch.arms = k.arms - k0.arms;
-        out->ch.polls = k.polls - k0.polls;
-        out->ch.empty_polls = k.empty_polls - k0.empty_polls;
-        out->ch.completions = k.completions - k0.completions;
-        out->vcsw = static_cast<std::uint64_t>(r1.ru_nvcsw - r0.ru_nvcsw);
-        out->cpu_us = cpu_us(r1) - cpu_us(r0);
-    }
-};
-
-// ---------------------------------------------------------------------------------------------
-// The socketpair between the two processes (rate).
-
-void write_all(int fd, const void* p, std::size_t n) {
-    auto* b = static_cast<const char*>(p);
-    while (n > 0) {
-        const ssize_t r = ::write(fd, b, n);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) throw std::runtime_error("socketpair write failed");
-        b += r;
-        n -= static_cast<std::size_t>(r);
-    }
-}
-
-void read_all(int fd, void* p, std::size_t n) {
-    auto* b = static_cast<char*>(p);
-    while (n > 0) {
-        const ssize_t r = ::read(fd, b, n);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) throw std::runtime_error("socketpair read failed (peer gone)");
-        b += r;
-        n -= static_cast<std::size_t>(r);
-    }
-}
-
-void sync_with_peer(int sock) {
-    char b = 'b';
-    write_all(sock, &b, 1);
-    read_all(sock, &b, 1);
-}
-
-struct wire_endpoint {
-    std::uint32_t qpn;
-    std::uint32_t psn;
-    ibv_gid gid;
-};
-
 // ---------------------------------------------------------------------------------------------
 // rate: one process of the pair.
 
-struct rate_chain {
+struct rate_chain : bench::wr_chain {
     std::size_t qp_index = 0;
-    std::vector<ibv_send_wr> swr;
-    std::vector<ibv_recv_wr> rwr;
-    std::vector<ibv_sge> sge;
 };
 
-struct rate_side {
+struct rate_side : bench::process_runtime {
     const config& cfg;
     bool client;
     int sock;
-    verbs::context dev;
-    verbs::protection_domain pd;
-    io_context io;
-    channel ch;
     std::deque<cq> cqs;
     std::vector<qp> qps;
-    region buf;
+    bench::region buf;
     std::vector<rate_chain> chains;
     std::vector<long> claimed; // per QP: messages whose chain was posted (or is about to be)
     long per_qp = 0;           // messages per QP
@@ -399,14 +207,13 @@ struct rate_side {
     long warmup = 0;
     long done = 0; // messages whose chain completed, over all QPs
     prime_gate prime;
-    side_stats stats;
+    bench::side_stats stats;
     window win;
 
     rate_side(const config& k, bool is_client, int s)
-        : cfg(k), client(is_client), sock(s), dev(k.device), pd(dev),
-          io(io_context_options{.sq_entries = 256, .cq_entries = 4096, .single_issuer = true}),
-          ch(io, dev, channel_options{.priority = 0, .mode = k.mode}),
-          buf(pd, std::max<std::size_t>(k.size, 64)), prime{&io, {}} {
+        : process_runtime(k, true, channel_options{.priority = 0, .mode = k.mode}), cfg(k),
+          client(is_client), sock(s),
+          buf(pd, std::max<std::size_t>(k.size, 64), std::byte{'s'}), prime{&io, {}} {
         win.ch = &ch;
         win.out = &stats;
         // Whole chains on every QP, the same count on each.
@@ -445,33 +252,12 @@ struct rate_side {
 
     // INIT -> RTR -> RTS, every QP against the other process's QP of the same index.
     void connect() {
-        const ibv_port_attr pa = dev.query_port(cfg.port);
-        const ibv_gid_entry ge = dev.query_gid(cfg.port, cfg.gid_index);
-        std::vector<wire_endpoint> mine(qps.size()), peer(qps.size());
-        for (std::size_t i = 0; i < qps.size(); ++i) {
-            const std::uint32_t psn =
-                (static_cast<std::uint32_t>(::getpid() + i) * 2654435761u) & 0xffffff;
-            qps[i].native_qp().to_init(cfg.port);
-            mine[i] = {qps[i].qp_num(), psn, ge.gid};
-        }
-        write_all(sock, mine.data(), mine.size() * sizeof(wire_endpoint));
-        read_all(sock, peer.data(), peer.size() * sizeof(wire_endpoint));
-        for (std::size_t i = 0; i < qps.size(); ++i) {
-            verbs::rtr_params rtr;
-            rtr.port = cfg.port;
-            rtr.remote_qpn = peer[i].qpn;
-            rtr.remote_psn = peer[i].psn;
-            rtr.remote_gid = peer[i].gid;
-            rtr.sgid_index = static_cast<std::uint8_t>(cfg.gid_index);
-            rtr.mtu = pa.active_mtu;
-            qps[i].native_qp().to_rtr(rtr);
-            verbs::rts_params rts;
-            rts.sq_psn = mine[i].psn;
-            // As perftest: retry for ever when a receive queue ran dry (the receiver's coroutines
-            // repost behind the device, which acks as it consumes), instead of failing the QP.
-            rts.rnr_retry = 7;
-            qps[i].native_qp().to_rts(rts);
-        }
+        std::vector<verbs::queue_pair*> native(qps.size());
+        for (std::size_t i = 0; i < qps.size(); ++i)
+            native[i] = &qps[i].native_qp();
+        // As perftest: retry for ever when a receive queue ran dry (the receiver's coroutines
+        // repost behind the device, which acks as it consumes), instead of failing the QP.
+        bench::connect_qps(native, dev, cfg, sock, 7);
     }
 
     void account(long n) {
@@ -487,7 +273,7 @@ struct rate_side {
             co_await prime.wait();
         while (mine < per_qp) {
             mine += cfg.chain;
-            check(co_await q.post_send(c.swr[0]), "send chain");
+            bench::check(co_await q.post_send(c.swr[0]), "send chain");
             account(cfg.chain);
         }
     }
@@ -499,7 +285,7 @@ struct rate_side {
             co_await prime.wait();
         while (mine < per_qp) {
             mine += cfg.chain;
-            check(co_await q.post_recv(c.rwr[0]), "recv chain");
+            bench::check(co_await q.post_recv(c.rwr[0]), "recv chain");
             account(cfg.chain);
         }
     }
@@ -512,7 +298,7 @@ struct rate_side {
             prime.release();
             co_await prime.yield();
         }
-        if (!client) sync_with_peer(sock);
+        if (!client) bench::sync_with_peer(sock);
     }
 
     void run() {
@@ -524,24 +310,10 @@ struct rate_side {
         for (std::size_t j = 0; j < chains.size(); ++j) {
             rate_chain& c = chains[j];
             c.qp_index = j % qps.size(); // round robin: every QP's first chains start first
-            c.sge.assign(k, one);
-            if (client) {
-                c.swr.assign(k, ibv_send_wr{});
-                for (unsigned i = 0; i < k; ++i) {
-                    c.swr[i].sg_list = &c.sge[i];
-                    c.swr[i].num_sge = 1;
-                    c.swr[i].opcode = IBV_WR_SEND;
-                    c.swr[i].send_flags = 0; // unsignaled but the last (post_send signals it)
-                    c.swr[i].next = i + 1 < k ? &c.swr[i + 1] : nullptr;
-                }
-            } else {
-                c.rwr.assign(k, ibv_recv_wr{});
-                for (unsigned i = 0; i < k; ++i) {
-                    c.rwr[i].sg_list = &c.sge[i];
-                    c.rwr[i].num_sge = 1;
-                    c.rwr[i].next = i + 1 < k ? &c.rwr[i + 1] : nullptr;
-                }
-            }
+            if (client)
+                c.make_sends(k, one, 0);
+            else
+                c.make_recvs(k, one);
         }
         std::vector<task<void>> tasks;
         tasks.reserve(chains.size());
@@ -550,7 +322,7 @@ struct rate_side {
             tasks.push_back(client ? sender(c) : receiver(c));
         connect();
         // The client waits until the server's receives are posted (its barrier in start()).
-        if (client) sync_with_peer(sock);
+        if (client) bench::sync_with_peer(sock);
         // when_all starts its tasks in order, each up to its first suspension (the prime gate),
         // then start().
         io.run(when_all(when_all(std::move(tasks)), start()));
@@ -558,29 +330,18 @@ struct rate_side {
     }
 };
 
-int run_rate_process(const config& cfg, bool client, int sock, side_stats& mine,
-                     side_stats& server) {
-    try {
+int run_rate_process(const config& cfg, bool client, int sock, bench::side_stats& mine,
+                     bench::side_stats& server) {
+    return bench::run_side("scale_bench", client, sock, mine, server, [&] {
         const auto t0 = clock_type::now();
         rate_side s(cfg, client, sock);
-        s.stats.setup_us = static_cast<std::uint64_t>(since_us(t0, clock_type::now()));
+        s.stats.setup_us = static_cast<std::uint64_t>(bench::since_us(t0, clock_type::now()));
         s.run();
         mine = s.stats;
-        if (client)
-            read_all(sock, &server, sizeof server);
-        else
-            write_all(sock, &mine, sizeof mine);
-        return 0;
-    } catch (const std::exception& e) {
-        std::snprintf(mine.error, sizeof mine.error, "%s: %s", client ? "client" : "server",
-                      e.what());
-        std::fprintf(stderr, "scale_bench: %s\n", mine.error);
-        ::shutdown(sock, SHUT_RDWR); // unblocks the peer if it waits on the socketpair
-        return 1;
-    }
+    });
 }
 
-void print_side(const char* name, const side_stats& s, bool last) {
+void print_side(const char* name, const bench::side_stats& s, bool last) {
     const double m = s.messages ? static_cast<double>(s.messages) : 1.0;
     std::printf("  \"%s\": {\"allocations\": %" PRIu64 ", \"messages\": %" PRIu64
                 ", \"seconds\": %.6f, \"mpps\": %.6f, \"wakeups\": %" PRIu64
@@ -597,40 +358,21 @@ void print_side(const char* name, const side_stats& s, bool last) {
 }
 
 int main_rate(const config& cfg) {
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-        std::perror("socketpair");
-        return 1;
-    }
-    std::fflush(stdout);
-    const pid_t pid = ::fork();
-    if (pid < 0) {
-        std::perror("fork");
-        return 1;
-    }
-    ::alarm(cfg.timeout_s); // a side waiting for a peer that died must not hang
-    if (pid == 0) {         // the server
-        ::close(sv[0]);
-        side_stats st, unused;
-        const int rc = run_rate_process(cfg, false, sv[1], st, unused);
-        std::fflush(nullptr);
-        ::_exit(rc);
-    }
-    ::close(sv[1]);
-    side_stats cst, sst;
-    int rc = run_rate_process(cfg, true, sv[0], cst, sst);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
+    bench::side_stats cst, sst; // the server hands its own over the socket
+    const int rc = bench::run_pair(cfg.timeout_s, [&](bool client, int sock) {
+        if (client) return run_rate_process(cfg, true, sock, cst, sst);
+        bench::side_stats st, unused;
+        return run_rate_process(cfg, false, sock, st, unused);
+    });
     if (rc != 0) {
         std::fprintf(stderr, "scale_bench: rate --qps %u --mode %s --cq %s failed\n", cfg.qps,
-                     mode_name(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
+                     bench::mode_name(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
         return 1;
     }
     const std::uint64_t allocs = cst.allocations + sst.allocations;
     std::printf(
         "{\n  \"test\": \"rate\",\n  \"qps\": %u,\n  \"mode\": \"%s\",\n  \"cq\": \"%s\",\n",
-        cfg.qps, mode_name(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
+        cfg.qps, bench::mode_name(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
     std::printf("  \"bytes\": %u,\n  \"window_per_qp\": %u,\n  \"chain\": %u,\n  "
                 "\"recv_depth_per_qp\": %u,\n",
                 cfg.size, cfg.window, cfg.chain, cfg.recv_depth);
@@ -662,20 +404,16 @@ struct burst_stats {
     channel_counters ch{};
 };
 
-struct cqs_side {
+struct cqs_side : bench::process_runtime {
     const config& cfg;
-    verbs::context dev;
-    verbs::protection_domain pd;
-    io_context io;
-    channel ch;
     std::deque<cq> cqs;
     std::vector<qp> qps;
     std::string qp_limit; // why fewer QPs than count / 2 were made, if so
-    region buf;
+    bench::region buf;
     std::vector<ibv_sge> sge;
     std::vector<ibv_send_wr> swr;
     std::vector<ibv_recv_wr> rwr;
-    handoff h;
+    bench::handoff h;
     std::uint64_t delivered = 0;
     std::uint64_t target = 0;
     clock_type::time_point last{};
@@ -683,15 +421,13 @@ struct cqs_side {
     double create_cqs_ms = 0, create_qps_ms = 0, connect_ms = 0;
 
     explicit cqs_side(const config& k)
-        : cfg(k), dev(k.device), pd(dev),
-          io(io_context_options{.sq_entries = 256, .cq_entries = 4096, .single_issuer = true}),
-          ch(io, dev, channel_options{.priority = 0, .mode = k.mode}),
-          buf(pd, 2 * std::max<std::size_t>(k.size, 64)), h{&io, {}, 0} {
+        : process_runtime(k, true, channel_options{.priority = 0, .mode = k.mode}), cfg(k),
+          buf(pd, 2 * std::max<std::size_t>(k.size, 64), std::byte{'s'}), h{&io, {}, 0} {
         auto t0 = clock_type::now();
         for (unsigned i = 0; i < k.count; ++i)
             cqs.emplace_back(ch, cq_options{.entries = k.entries, .comp_vector = -1});
         auto t1 = clock_type::now();
-        create_cqs_ms = since_us(t0, t1) / 1000.0;
+        create_cqs_ms = bench::since_us(t0, t1) / 1000.0;
         unsigned want = k.count / 2;
         if (k.qps != 0) want = std::min(want, k.qps);
         want &= ~1u; // whole loopback pairs
@@ -713,11 +449,11 @@ struct cqs_side {
         if (qps.size() % 2) qps.pop_back();
         if (qps.size() < 2) throw std::runtime_error("fewer than 2 QPs: " + qp_limit);
         auto t2 = clock_type::now();
-        create_qps_ms = since_us(t1, t2) / 1000.0;
+        create_qps_ms = bench::since_us(t1, t2) / 1000.0;
         for (std::size_t i = 0; i + 1 < qps.size(); i += 2)
             verbs::connect_loopback(qps[i].native_qp(), qps[i + 1].native_qp(), k.port,
                                     k.gid_index);
-        connect_ms = since_us(t2, clock_type::now()) / 1000.0;
+        connect_ms = bench::since_us(t2, clock_type::now()) / 1000.0;
         // One receive and one send per QP, each with an untagged wr_id (its QP's index): the
         // completions go to cq::next().
         const std::size_t n = qps.size();
@@ -743,7 +479,7 @@ struct cqs_side {
     task<void> reaper(cq& c, const char* what) {
         for (unsigned b = 0; b < cfg.bursts; ++b) {
             const ibv_wc wc = co_await c.next();
-            check(wc, what);
+            bench::check(wc, what);
             if (++delivered == target) {
                 last = clock_type::now();
                 h.signal();
@@ -766,16 +502,10 @@ struct cqs_side {
                 qps[i].native_qp().post_send(swr[i]);
             co_await h.wait();
             s.allocations = bench::allocations.load(std::memory_order_relaxed) - a0;
-            const channel_counters k = ch.counters();
             s.posted = 2 * n;
             s.delivered = delivered - d0;
-            s.drain_us = since_us(t0, last);
-            s.ch.wakeups = k.wakeups - k0.wakeups;
-            s.ch.events = k.events - k0.events;
-            s.ch.arms = k.arms - k0.arms;
-            s.ch.polls = k.polls - k0.polls;
-            s.ch.empty_polls = k.empty_polls - k0.empty_polls;
-            s.ch.completions = k.completions - k0.completions;
+            s.drain_us = bench::since_us(t0, last);
+            s.ch = bench::counters_since(k0, ch.counters());
             bursts.push_back(s); // reserved: no allocation in the next burst's window
         }
     }
@@ -825,7 +555,7 @@ int main_cqs(const config& cfg) {
         }
         const std::size_t measured = s.bursts.size() - 1;
         const double per_burst = static_cast<double>(delivered) / static_cast<double>(measured);
-        std::printf("{\n  \"test\": \"cqs\",\n  \"mode\": \"%s\",\n", mode_name(cfg.mode));
+        std::printf("{\n  \"test\": \"cqs\",\n  \"mode\": \"%s\",\n", bench::mode_name(cfg.mode));
         std::printf("  \"cqs\": %u,\n  \"cq_entries\": %d,\n  \"cq_capacity\": %d,\n", cfg.count,
                     cfg.entries, s.cqs.front().capacity());
         std::printf("  \"qps\": %zu,\n  \"busy_cqs\": %zu,\n", s.qps.size(), 2 * s.qps.size());
