@@ -266,26 +266,19 @@ struct rate_side : bench::process_runtime {
         if (done >= total) win.end(static_cast<std::uint64_t>(done));
     }
 
-    task<void> sender(rate_chain& c) {
+    // One chain's loop on either side: after the priming rounds, posts its chain (a send chain
+    // at the client, a receive chain at the server) until the QP's share is claimed.
+    task<void> chain_loop(rate_chain& c, bool sending) {
         qp& q = qps[c.qp_index];
         long& mine = claimed[c.qp_index];
         for (int r = 0; r < prime_gate::rounds; ++r)
             co_await prime.wait();
         while (mine < per_qp) {
             mine += cfg.chain;
-            bench::check(co_await q.post_send(c.swr[0]), "send chain");
-            account(cfg.chain);
-        }
-    }
-
-    task<void> receiver(rate_chain& c) {
-        qp& q = qps[c.qp_index];
-        long& mine = claimed[c.qp_index];
-        for (int r = 0; r < prime_gate::rounds; ++r)
-            co_await prime.wait();
-        while (mine < per_qp) {
-            mine += cfg.chain;
-            bench::check(co_await q.post_recv(c.rwr[0]), "recv chain");
+            if (sending)
+                bench::check(co_await q.post_send(c.swr[0]), "send chain");
+            else
+                bench::check(co_await q.post_recv(c.rwr[0]), "recv chain");
             account(cfg.chain);
         }
     }
@@ -319,7 +312,7 @@ struct rate_side : bench::process_runtime {
         tasks.reserve(chains.size());
         prime.waiters.reserve(chains.size());
         for (rate_chain& c : chains)
-            tasks.push_back(client ? sender(c) : receiver(c));
+            tasks.push_back(chain_loop(c, client));
         connect();
         // The client waits until the server's receives are posted (its barrier in start()).
         if (client) bench::sync_with_peer(sock);

@@ -247,13 +247,11 @@ class cm_id::step_wait : detail::cm_step_waiter {
     void await_suspend(std::coroutine_handle<> h) {
         state_->step_waiters.push_back(this);
         // Without a timeout of its own, the step is bounded by the channel's step_timeout.
-        if (options_.timeout == wait_options::no_timeout) {
-            const wait_options bounded(state_->channel->step_timeout, options_.stop);
-            start(*state_->channel->ctx, bounded, h, &state_->step_waiters,
-                  &detail::waiter_queue::detach);
-            return;
-        }
-        start(*state_->channel->ctx, options_, h, &state_->step_waiters,
+        const wait_options bounded =
+            options_.timeout == wait_options::no_timeout
+                ? wait_options(state_->channel->step_timeout, options_.stop)
+                : options_;
+        start(*state_->channel->ctx, bounded, h, &state_->step_waiters,
               &detail::waiter_queue::detach);
     }
 
