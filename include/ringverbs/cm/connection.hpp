@@ -1,0 +1,197 @@
+// connection and listener: an RDMA connection in a few lines. connect() and listener::accept()
+// resolve an address (rdma_getaddrinfo), run every rdma_cm step with a bound, and make what a
+// connection needs (protection domain, completion channel, CQ, qp), shared per device where it
+// can be; cm_channel and cm_id stay reachable underneath.
+#pragma once
+
+#include <ringverbs/config.hpp>
+
+#include <ringverbs/cm/cm_channel.hpp>
+#include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/task.hpp>
+#include <ringverbs/rdma/buffers.hpp>
+#include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/channel_options.hpp>
+#include <ringverbs/rdma/cq.hpp>
+#include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/verbs/context.hpp>
+#include <ringverbs/verbs/protection_domain.hpp>
+#include <ringverbs/verbs/queue_pair.hpp>
+
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ringverbs {
+
+// What connect() and listener make for each connection. An aggregate of trivially
+// destructible members (safe as a temporary in a co_await expression, even with GCC 12).
+struct connection_options {
+    // The qp's capacities (send / receive requests, SGEs, inline bytes).
+    verbs::qp_caps caps = {};
+    // The connection's CQ (send and receive completions both go there). 0: the qp's send plus
+    // receive capacity, rounded up to a power of two, so that a flush of everything fits.
+    int cq_entries = 0;
+    // How the completion channel learns of completions (events, busy, hybrid). The channel is
+    // shared by every connection of this thread (io_context) on the same device with equal
+    // channel_options.
+    channel_options completion = {};
+    // Passed to the qp (flush_timeout; allow_cq_overcommit; shared_receive_queue: an srq of
+    // the device the connection lands on).
+    qp_options queue = {};
+    // RDMA read / atomic depth and the retry counts (cm_conn_options).
+    cm_conn_options conn = {};
+    // The bound of every rdma_cm step: address and route resolution, connect (until the peer
+    // accepted), accept (until the connection is established). A step that takes longer fails
+    // with std::system_error(errc::timed_out) naming the rdma_* call. Waiting for the next
+    // request, listener::accept(), is not a step: it is bounded by its own wait_options.
+    std::chrono::nanoseconds step_timeout = std::chrono::seconds(15);
+    // Sent with the connect request (connect()) or with the accept (listener), <= 56 bytes on
+    // RoCE. connect() reads it when the task runs: keep it alive until its co_await ends. A
+    // listener copies it.
+    std::span<const std::byte> private_data = {};
+};
+
+// One established, reliable connection and what it owns: its rdma_cm id, its qp, its CQ,
+// and shares of its device's protection domain and completion channel. Post on it as on a qp:
+//
+//   connection c = co_await connect(io, "198.18.0.1:7471");
+//   verbs::memory_region mr(c.pd(), buf);        // c.pd() serves every connection on the device
+//   co_await c.send(local_buffer(mr, buf));
+//   ibv_wc wc = co_await c.recv(local_buffer(mr, buf));
+//
+// When the peer disconnects (or its process dies), every request still posted fails with
+// connection_reset; disconnected() resumes. Move-only. Destroying it without disconnect()
+// disconnects too (rdma_destroy_id) and never blocks: requests still owed end as ~qp says.
+// Destroy before the io_context, on its thread.
+class connection {
+  public:
+    connection(connection&&) noexcept;
+    connection& operator=(connection&&) noexcept;
+    ~connection();
+
+    // Empty after a move.
+    explicit operator bool() const noexcept { return parts_ != nullptr; }
+
+    // Post and await, as the qp's calls of the same names (qp.hpp).
+    qp::request send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept {
+        return queue_pair().send(data, o, std::move(w));
+    }
+    qp::request recv(local_buffer into, wait_options w = {}) noexcept {
+        return queue_pair().recv(into, std::move(w));
+    }
+    qp::request write(local_buffer data, remote_buffer to, send_options o = {},
+                      wait_options w = {}) noexcept {
+        return queue_pair().write(data, to, o, std::move(w));
+    }
+    qp::request read(local_buffer into, remote_buffer from, wait_options w = {}) noexcept {
+        return queue_pair().read(into, from, std::move(w));
+    }
+
+    // co_await c.disconnect(): ends the connection (rdma_disconnect; the peer learns it at
+    // once) and resumes when it is gone. co_await c.disconnected(): resumes when the peer (or
+    // this side) ended it. As cm_id's calls of the same names.
+    cm_id::disconnect_awaitable disconnect(wait_options w = {}) noexcept;
+    cm_id::disconnect_awaitable disconnected(wait_options w = {}) noexcept;
+    bool is_disconnected() const noexcept;
+
+    // The protection domain of the connection's device, shared by every connection made by
+    // connect() or a listener on that device in this process: a memory region registered on it
+    // serves all of them.
+    const verbs::protection_domain& pd() const noexcept;
+    // The device (librdmacm's context of it) the connection runs on.
+    const verbs::context& device() const noexcept;
+    // The private data the peer sent: its accept's (connect()) or its request's (accept()),
+    // zero-padded by IB CM.
+    std::span<const std::byte> peer_data() const noexcept;
+    // The peer's address and port, as text ("198.18.0.2:40123", "[fe80::1]:7471").
+    std::string peer_address() const;
+
+    // The pieces underneath, for what this layer does not do.
+    qp& queue_pair() noexcept;
+    cq& completions() noexcept;
+    cm_id& id() noexcept;
+
+    // What connect() and listener make (opaque).
+    struct parts;
+    explicit connection(std::unique_ptr<parts> p) noexcept;
+
+  private:
+    std::unique_ptr<parts> parts_;
+};
+
+// co_await connect(io, "host:port"): resolves the address with rdma_getaddrinfo ("198.18.0.1:7471",
+// "[fe80::1%eth0]:7471", "server.example:7471"; a host name is looked up on a thread of its
+// own, so the loop does not block), then the address and route on the device that reaches it,
+// makes the qp and connects, each step bounded by options.step_timeout (15 s). `stop` cancels
+// whichever step is under way. Throws:
+// - std::system_error(EINVAL) naming ringverbs::connect for an address it cannot parse;
+//   naming rdma_getaddrinfo (with gai_strerror's text) for a name it cannot resolve;
+// - connection_rejected when the peer refused (nothing listens on that port, or rdma_reject);
+// - std::system_error naming the rdma_* step that failed or timed out (timed_out: nobody
+//   answered at that address within step_timeout), or operation_canceled on `stop`;
+// - what making the CQ and qp throws (EMFILE, ENOMEM, EINVAL naming the verb).
+task<connection> connect(io_context& io, std::string address, connection_options options = {},
+                         std::stop_token stop = {});
+
+// Listens on an address and hands out established connections:
+//
+//   listener l(io, ":7471");                   // every address of every RDMA device
+//   connection c = co_await l.accept();        // the next established connection
+//
+// "host:port", ":port" (any address, IPv4 and IPv6), "0.0.0.0:port", "[::]:port"; port 0 picks
+// one (port() tells which). When listening on any address the device is known only at each
+// request: each connection gets the PD and channel of the device its request came on.
+// Owns its cm_channel; destroy before the io_context, on its thread.
+class listener {
+  public:
+    // rdma_getaddrinfo (numeric addresses only: no lookup blocks the thread here), then
+    // rdma_bind_addr and rdma_listen. Throws std::system_error naming the call (EINVAL naming
+    // ringverbs::listener for an address it cannot parse; EADDRINUSE; EADDRNOTAVAIL: no RDMA
+    // device has that address).
+    listener(io_context& io, std::string_view address, connection_options options = {},
+             int backlog = 128);
+    ~listener();
+    listener(const listener&) = delete;
+    listener& operator=(const listener&) = delete;
+
+    // co_await l.accept(): the next request made into an established connection (its qp made
+    // and rdma_accept done, bounded by options.step_timeout). A request whose handshake fails
+    // on the peer's side (it went away, timed out) is dropped and reported to the diagnostics
+    // sink, and accept() waits for the next one. Throws std::system_error: "cm_id::accept"
+    // with timed_out / operation_canceled per `w` (or the channel's errno); what making the CQ
+    // or qp throws (EMFILE, ENOMEM: that request is rejected, the listener stays usable).
+    task<connection> accept(wait_options w = {});
+
+    // The port listened on, in host order.
+    std::uint16_t port() const noexcept;
+    cm_id& id() noexcept { return id_; }
+    cm_channel& events() noexcept { return *events_; }
+
+  private:
+    io_context* io_;
+    connection_options options_;
+    std::vector<std::byte> private_data_;
+    std::shared_ptr<cm_channel> events_;
+    cm_id id_;
+};
+
+namespace detail {
+// "host:port", "[v6]:port", ":port", "port" (listening only) split into host (empty: any) and
+// port. Throws std::system_error(EINVAL) naming `who` and the text when there is no port or it
+// is not a number in 0..65535.
+void split_host_port(std::string_view text, std::string& host, std::string& port, const char* who);
+// An address as text: "198.18.0.2:40123", "[fe80::1]:7471" (and "?" for other families).
+std::string address_text(const sockaddr* a);
+} // namespace detail
+
+} // namespace ringverbs

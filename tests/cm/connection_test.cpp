@@ -1,0 +1,286 @@
+// connect() and listener on a real RDMA device: the process connects to itself over the test
+// device's address; what the connections share, their errors, their ends.
+#include "rdma_fixture.hpp"
+
+#include <ringverbs/cm/connection.hpp>
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/completion_error.hpp>
+
+#include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <stop_token>
+#include <string>
+#include <vector>
+
+using namespace rt;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::errc errc_of(const std::system_error& e) {
+    return static_cast<std::errc>(e.code().value());
+}
+
+bool contains(const std::string& text, const char* part) {
+    return text.find(part) != std::string::npos;
+}
+
+// The IPv4 address of the test device (as cm_test.cpp).
+std::string test_addr() {
+    if (const char* a = std::getenv("RINGVERBS_ADDR"); a != nullptr && *a != '\0') return a;
+    if (const char* a = std::getenv("SOFTROCE_ADDR"); a != nullptr && *a != '\0') return a;
+    verbs::context ctx(rdma_device().name);
+    ibv_gid_entry e = ctx.query_gid(rdma_device().port, rdma_device().gid_index);
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &e.gid.raw[12], text, sizeof text);
+    return text;
+}
+
+bool in_our_vm() {
+    const char* v = std::getenv("RINGVERBS_IN_VM");
+    return v != nullptr && std::string(v) == "1";
+}
+
+std::vector<std::byte> bytes_of(const char* s) {
+    std::vector<std::byte> v(std::strlen(s));
+    std::memcpy(v.data(), s, v.size());
+    return v;
+}
+
+bool starts_with(std::span<const std::byte> got, const std::vector<std::byte>& want) {
+    return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
+}
+
+// One message each way on an established pair, verified.
+task<void> exchange(connection& a, connection& b, std::uint8_t seed) {
+    std::vector<std::byte> out(512), in(512);
+    for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = std::byte(seed + i);
+    verbs::memory_region mr_out(a.pd(), out), mr_in(b.pd(), in);
+    auto r = b.recv(local_buffer(mr_in, in));
+    r.post();
+    co_await a.send(local_buffer(mr_out, out));
+    ibv_wc wc = co_await r;
+    CHECK(wc.byte_len == 512);
+    CHECK(std::memcmp(in.data(), out.data(), 512) == 0);
+}
+
+} // namespace
+
+TEST_CASE("connect and accept in a few lines: private data both ways, messages both ways, one "
+          "PD and one completion channel for every connection on the device") {
+    const std::string ip = test_addr();
+    io_context io;
+    const auto hello = bytes_of("hello from connect()");
+    const auto welcome = bytes_of("welcome from the listener");
+    connection_options server_options;
+    server_options.private_data = welcome;
+    listener l(io, ip + ":0", server_options); // port 0: one is picked
+    REQUIRE(l.port() != 0);
+    const std::string at = ip + ":" + std::to_string(l.port());
+
+    connection_options client_options;
+    client_options.private_data = hello;
+    auto run = [&]() -> task<void> {
+        auto [s1, c1] =
+            co_await when_all(l.accept(wait_options(20s)), connect(io, at, client_options));
+        auto [s2, c2] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        CHECK(starts_with(s1.peer_data(), hello));
+        CHECK(starts_with(c1.peer_data(), welcome));
+        CHECK(starts_with(c2.peer_data(), welcome));
+        CHECK(contains(s1.peer_address(), ip.c_str()));
+        CHECK(c1.peer_address() == at);
+        // Shared per device: the PD (process) and the completion channel (this io_context).
+        CHECK(s1.pd().native() == c1.pd().native());
+        CHECK(s2.pd().native() == c2.pd().native());
+        CHECK(s1.pd().native() == s2.pd().native());
+        CHECK(&s1.completions() != &s2.completions());
+        CHECK(s1.completions().native() != c1.completions().native());
+        co_await exchange(c1, s1, 1);
+        co_await exchange(s1, c1, 2);
+        co_await exchange(c2, s2, 3);
+        co_await exchange(s2, c2, 4);
+        co_await c1.disconnect(wait_options(10s));
+        co_await s1.disconnected(wait_options(10s));
+        CHECK(s1.is_disconnected());
+        // The second pair still works after the first went.
+        co_await exchange(c2, s2, 5);
+    };
+    io.run(run());
+}
+
+// The VM's device netdev also has fd00::1 (tools/softroce-vm).
+std::string test_addr6() {
+    if (const char* a = std::getenv("RINGVERBS_ADDR6"); a != nullptr && *a != '\0') return a;
+    return in_our_vm() ? "fd00::1" : "";
+}
+
+TEST_CASE("a listener on any address (\":port\"): IPv4 and IPv6 connections land on it") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ":0");
+    REQUIRE(l.port() != 0);
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)),
+                                        connect(io, ip + ":" + std::to_string(l.port())));
+        co_await exchange(c, s, 9);
+        co_await exchange(s, c, 10);
+        if (const std::string ip6 = test_addr6(); !ip6.empty()) {
+            const std::string at6 = "[" + ip6 + "]:" + std::to_string(l.port());
+            auto [s6, c6] = co_await when_all(l.accept(wait_options(20s)), connect(io, at6));
+            CHECK(c6.peer_address() == at6);
+            co_await exchange(c6, s6, 11);
+            co_await exchange(s6, c6, 12);
+        } else {
+            MESSAGE("no IPv6 address for the device ($RINGVERBS_ADDR6): IPv6 not tried");
+        }
+    };
+    io.run(run());
+}
+
+TEST_CASE("IPv6: a listener on the device's IPv6 address, a connect to it" *
+          doctest::skip(test_addr6().empty())) {
+    io_context io;
+    listener l(io, "[" + test_addr6() + "]:0");
+    const std::string at = "[" + test_addr6() + "]:" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        co_await exchange(c, s, 13);
+        co_await exchange(s, c, 14);
+    };
+    io.run(run());
+}
+
+TEST_CASE("the peer goes: a posted receive ends with connection_reset, disconnected() resumes") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        std::vector<std::byte> buf(64);
+        verbs::memory_region mr(s.pd(), buf);
+        auto r = s.recv(local_buffer(mr, buf));
+        r.post();
+        co_await c.disconnect(wait_options(10s));
+        bool reset = false;
+        try {
+            co_await r;
+        } catch (const connection_reset& e) {
+            reset = true;
+            CHECK(e.code() == std::errc::connection_reset);
+        }
+        CHECK(reset);
+        co_await s.disconnected(wait_options(10s));
+    };
+    io.run(run());
+}
+
+TEST_CASE("connect where nothing listens: connection_rejected, within a moment") {
+    const std::string ip = test_addr();
+    io_context io;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+        io.run(connect(io, ip + ":20890"));
+        FAIL("connected with nobody listening");
+    } catch (const connection_rejected& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(errc_of(e) == std::errc::connection_refused);
+        CHECK(contains(e.what(), "nothing listens"));
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+}
+
+TEST_CASE("addresses connect() cannot use: EINVAL naming ringverbs::connect or the lookup") {
+    io_context io;
+    for (const char* bad : {"198.18.0.1", "198.18.0.1:", "198.18.0.1:70000", "198.18.0.1:x",
+                            "[fe80::1:7471", "fe80::1:7471", ":7471"}) {
+        CAPTURE(bad);
+        try {
+            io.run(connect(io, bad));
+            FAIL("accepted");
+        } catch (const std::system_error& e) {
+            CHECK(errc_of(e) == std::errc::invalid_argument);
+            CHECK(contains(e.what(), "ringverbs::connect"));
+            CHECK(contains(e.what(), bad));
+        }
+    }
+    // A name nobody knows: looked up on a thread (the .invalid domain never resolves).
+    try {
+        io.run(connect(io, "no-such-host.invalid:7471"));
+        FAIL("resolved");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(contains(e.what(), "rdma_getaddrinfo"));
+        CHECK(contains(e.what(), "no-such-host.invalid"));
+    }
+}
+
+TEST_CASE("a host name is looked up (on a thread of its own): \"localhost\" resolves, and "
+          "what fails is a later step (rxe has no loopback)") {
+    io_context io;
+    try {
+        io.run(connect(io, "localhost:7471"));
+        FAIL("connected to localhost");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        // Resolved (127.0.0.1): what failed is a later step.
+        CHECK(!contains(e.what(), "rdma_getaddrinfo"));
+        CHECK(contains(e.what(), "rdma_"));
+    }
+}
+
+TEST_CASE("connect's default bound is 15 s per step") {
+    CHECK(connection_options{}.step_timeout == 15s);
+}
+
+// Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the
+// request to an address on its subnet that nobody has goes nowhere.
+TEST_CASE("a stop_token ends a connect that waits for an address nobody has: "
+          "operation_canceled, at once" *
+          doctest::skip(!in_our_vm())) {
+    const std::string ip = test_addr();
+    io_context io;
+    std::stop_source stop;
+    auto later = [&]() -> task<void> {
+        co_await sleep_for(io, 300ms);
+        stop.request_stop();
+    };
+    const std::string to = ip.substr(0, ip.rfind('.')) + ".77:20891";
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+        io.run(when_all(connect(io, to, {}, stop.get_token()), later()));
+        FAIL("connected");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(errc_of(e) == std::errc::operation_canceled);
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+}
+
+TEST_CASE("connect to an address nobody has: timed_out naming rdma_connect after step_timeout" *
+          doctest::skip(!in_our_vm())) {
+    const std::string ip = test_addr();
+    io_context io;
+    connection_options o;
+    o.step_timeout = 2s;
+    const std::string to = ip.substr(0, ip.rfind('.')) + ".77:20892";
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+        io.run(connect(io, to, o));
+        FAIL("connected");
+    } catch (const std::system_error& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(errc_of(e) == std::errc::timed_out);
+        CHECK(contains(e.what(), "rdma_connect"));
+    }
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    CHECK(waited >= 2s);
+    CHECK(waited < 20s);
+}
