@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The README's quick start must be examples/quick_start.cpp, which is built and run."""
+"""The README's code must be the examples that are built and run: the quick start
+(examples/quick_start.cpp) and the rdma_cm server and client (examples/reverse_server.cpp,
+reverse_client.cpp)."""
 import pathlib
 import sys
 
@@ -47,4 +49,22 @@ if problems:
 print(f"README Layout names every public header ({len(entries)} folders)")
 lines = [l for l in block.splitlines() if l.strip()]
 print(f"quick start: {len(lines)} lines")
-sys.exit(0 if len(lines) <= 30 else 1)
+status = 0 if len(lines) <= 30 else 1
+# The connection section: its first two cpp blocks are the server and the client.
+at = readme.index("## Connections in a few lines")
+for name in ("reverse_server", "reverse_client"):
+    start = readme.index("```cpp\n", at) + len("```cpp\n")
+    end = readme.index("```\n", start)
+    block = readme[start:end]
+    at = end + 4
+    body = (root / "examples" / f"{name}.cpp").read_text().split("\n", 1)[1]
+    if block != body:
+        print(f"README connection section and examples/{name}.cpp differ")
+        status = 1
+    # User code: what is not an include, a using, a comment or a brace alone.
+    code = [l for l in block.splitlines()
+            if l.strip() and not l.startswith(("#include", "using ", "//")) and l.strip() not in ("}", "};")]
+    print(f"{name}: {len(code)} lines of code")
+    if len(code) > 35:
+        status = 1
+sys.exit(status)

@@ -12,5 +12,6 @@
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/rdma/recv_ring.hpp>
 #include <ringverbs/rdma/srq.hpp>
 #include <ringverbs/verbs.hpp>

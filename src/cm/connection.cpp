@@ -239,6 +239,7 @@ struct connection::parts {
     std::shared_ptr<channel> completion_channel;
     std::optional<cq> completions;
     std::optional<qp> queue;
+    std::optional<recv_ring> ring; // before the qp goes: its receives are owed on it
     std::vector<std::byte> peer_data;
 
     parts(std::shared_ptr<cm_channel> ev, cm_id i) : events(std::move(ev)), id(std::move(i)) {}
@@ -255,17 +256,20 @@ struct connection::parts {
         device = share_of(id);
         completion_channel = channel_of(io, *device, o.completion);
         cq_options co;
+        verbs::qp_caps caps = o.caps;
+        if (o.receive_slots > caps.max_recv_wr) caps.max_recv_wr = o.receive_slots;
         if (o.cq_entries > 0) {
             co.entries = o.cq_entries;
         } else {
-            const auto needed = std::size_t{o.caps.max_send_wr} + o.caps.max_recv_wr;
+            const auto needed = std::size_t{caps.max_send_wr} + caps.max_recv_wr;
             std::size_t entries = 1;
             while (entries < needed)
                 entries *= 2;
             co.entries = static_cast<int>(entries);
         }
         completions.emplace(*completion_channel, co);
-        queue.emplace(id.make_qp(device->pd, *completions, *completions, o.caps, o.queue));
+        queue.emplace(id.make_qp(device->pd, *completions, *completions, caps, o.queue));
+        if (o.receive_slots > 0) ring.emplace(*queue, device->pd, o.receive_slots, o.receive_size);
     }
 };
 
@@ -274,6 +278,15 @@ connection::connection(connection&&) noexcept = default;
 connection& connection::operator=(connection&&) noexcept = default;
 connection::~connection() = default;
 
+recv_ring::next_awaitable connection::receive(wait_options w) {
+    if (!parts_->ring)
+        throw_system_error(EINVAL, "connection::receive (no recv_ring: set "
+                                   "connection_options::receive_slots)");
+    return parts_->ring->next(std::move(w));
+}
+recv_ring* connection::receives() noexcept {
+    return parts_->ring ? &*parts_->ring : nullptr;
+}
 cm_id::disconnect_awaitable connection::disconnect(wait_options w) noexcept {
     return parts_->id.disconnect(std::move(w));
 }

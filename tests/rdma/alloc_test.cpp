@@ -3,6 +3,7 @@
 #include "rdma_fixture.hpp"
 
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/recv_ring.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
 #include <doctest/doctest.h>
@@ -106,5 +107,32 @@ TEST_CASE("srq: a receive pool refilled through cq::next() allocates nothing per
     };
     io.run(loop());
     MESSAGE("allocations during " << measured << " messages into an srq pool: " << after - before);
+    CHECK(after - before == 0);
+}
+
+TEST_CASE("recv_ring::next() allocates nothing per message in steady state (its slot is posted "
+          "again in place)") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    recv_ring ring(lp.b, dev.pd, 4, 256);
+    region out(dev.pd, 256);
+    std::size_t before = 0;
+    std::size_t after = 0;
+    constexpr int warmup = 200;
+    constexpr int measured = 2000;
+    auto loop = [&]() -> task<void> {
+        for (int i = 0; i < warmup + measured; ++i) {
+            if (i == warmup) before = bench::allocations.load();
+            ibv_wc swc = co_await lp.a.send(out.local(0, 64));
+            recv_ring::message m = co_await ring.next();
+            CHECK(swc.status == IBV_WC_SUCCESS);
+            CHECK(m.data.size() == 64);
+        }
+        after = bench::allocations.load();
+    };
+    io.run(loop());
+    MESSAGE("allocations during " << measured
+                                  << " messages through a recv_ring: " << after - before);
     CHECK(after - before == 0);
 }

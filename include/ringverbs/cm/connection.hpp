@@ -15,6 +15,7 @@
 #include <ringverbs/rdma/channel_options.hpp>
 #include <ringverbs/rdma/cq.hpp>
 #include <ringverbs/rdma/qp.hpp>
+#include <ringverbs/rdma/recv_ring.hpp>
 #include <ringverbs/verbs/context.hpp>
 #include <ringverbs/verbs/protection_domain.hpp>
 #include <ringverbs/verbs/queue_pair.hpp>
@@ -55,6 +56,12 @@ struct connection_options {
     // with std::system_error(errc::timed_out) naming the rdma_* call. Waiting for the next
     // request, listener::accept(), is not a step: it is bounded by its own wait_options.
     std::chrono::nanoseconds step_timeout = std::chrono::seconds(15);
+    // When not 0: the connection keeps this many receives posted in a recv_ring of its own
+    // (receive_size bytes each, registered once), made before the connection is established so
+    // that the peer's first message finds one, and read with connection::receive(). The qp's
+    // receive capacity is raised to it when smaller.
+    std::uint32_t receive_slots = 0;
+    std::uint32_t receive_size = 4096;
     // Sent with the connect request (connect()) or with the accept (listener), <= 56 bytes on
     // RoCE. connect() reads it when the task runs: keep it alive until its co_await ends. A
     // listener copies it.
@@ -97,6 +104,12 @@ class connection {
         return queue_pair().read(into, from, std::move(w));
     }
 
+    // co_await c.receive(): the next message of the connection's recv_ring
+    // (connection_options::receive_slots), its bytes valid until the next receive(). Throws as
+    // recv_ring::next (connection_reset when the connection ended), or EINVAL naming
+    // connection::receive when the connection has no ring.
+    recv_ring::next_awaitable receive(wait_options w = {});
+
     // co_await c.disconnect(): ends the connection (rdma_disconnect; the peer learns it at
     // once) and resumes when it is gone. co_await c.disconnected(): resumes when the peer (or
     // this side) ended it. As cm_id's calls of the same names.
@@ -119,6 +132,8 @@ class connection {
     // The pieces underneath, for what this layer does not do.
     qp& queue_pair() noexcept;
     cq& completions() noexcept;
+    // The connection's recv_ring (null without connection_options::receive_slots).
+    recv_ring* receives() noexcept;
     cm_id& id() noexcept;
 
     // What connect() and listener make (opaque).

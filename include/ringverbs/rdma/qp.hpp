@@ -188,6 +188,7 @@ class qp {
     close_awaitable close(wait_options w = {}) noexcept;
 
   private:
+    friend class recv_ring;
     static std::shared_ptr<detail::srq_state> shared_state(const qp_options& o);
     std::shared_ptr<detail::qp_state> state_;
 };

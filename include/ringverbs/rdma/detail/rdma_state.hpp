@@ -221,6 +221,9 @@ struct qp_state {
     waiter_queue close_waiters;     // qp::close(): resumed once nothing is owed
     std::size_t committed_send = 0; // what this QP added to send_cq->committed
     std::size_t committed_recv = 0;
+    // The recv_ring of this QP (a recv_ring_state), owned here so that its slots, the wr_ids
+    // of its receives, live until the last of those completed.
+    std::shared_ptr<void> recv_ring;
 
     // `flush_timeout`: see qp_options. `overcommit`: allow the QPs on a CQ to hold more
     // requests than the CQ has entries (else EINVAL).

@@ -1,0 +1,155 @@
+// recv_ring: a qp's receive queue kept stocked from slots of one registered buffer.
+#include <ringverbs/rdma/recv_ring.hpp>
+
+#include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/verb_error.hpp>
+
+#include <string>
+
+namespace ringverbs {
+
+namespace detail {
+
+void recv_ring_state::post(std::uint32_t i) {
+    slot& s = slots[i];
+    if (qp->in_error) [[unlikely]]
+        qp->posting_while_in_error();
+    ibv_recv_wr* bad = nullptr;
+    s.wr.next = nullptr;
+    if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0)
+        throw_system_error(verbs::verb_errno(rc), "ibv_post_recv (recv_ring)");
+    s.posted = true;
+    s.done = false;
+    qp->link(&s);
+    if (qp->posted_in_error) {
+        qp->posted_in_error = false;
+        qp->watch_flush();
+    }
+}
+
+void recv_ring_state::repost_held() {
+    if (!holding) return;
+    post(held); // on failure still held: the next next() tries again
+    holding = false;
+}
+
+bool recv_ring_state::hand_out(recv_ring_waiter& w) noexcept {
+    slot& s = slots[head];
+    if (!s.done) return false;
+    w.wc = s.wc;
+    w.closed = s.closed;
+    w.data = memory.get() + std::size_t{head} * size;
+    // A failure stays at the head: every later next() reports it too.
+    if (s.wc.status == IBV_WC_SUCCESS) {
+        s.done = false;
+        held = head;
+        holding = true;
+        head = head + 1 == count ? 0 : head + 1;
+    }
+    return true;
+}
+
+void recv_ring_state::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
+    auto* s = static_cast<slot*>(op);
+    recv_ring_state* r = s->owner;
+    s->posted = false;
+    s->done = true;
+    s->wc = wc;
+    s->closed = wc.status == IBV_WC_WR_FLUSH_ERR && r->qp->connection_closed;
+    r->qp->unlink(s);
+    if (r->orphaned || r->waiters.empty() || !r->slots[r->head].done) return;
+    auto* w = static_cast<recv_ring_waiter*>(r->waiters.pop_front());
+    r->hand_out(*w);
+    w->fulfil(0);
+}
+
+} // namespace detail
+
+recv_ring::recv_ring(qp& q, const verbs::protection_domain& pd, std::uint32_t count,
+                     std::uint32_t size)
+    : qp_(q.state_) {
+    if (count == 0 || size == 0)
+        throw_system_error(EINVAL, "recv_ring (count and size must not be 0)");
+    if (qp_->srq)
+        throw_system_error(
+            EINVAL, "recv_ring (the qp receives from an srq: its receives are posted there)");
+    if (count > qp_->qp.caps().max_recv_wr)
+        throw_system_error(EINVAL, "recv_ring (" + std::to_string(count) +
+                                       " receives, but the qp's receive queue holds " +
+                                       std::to_string(qp_->qp.caps().max_recv_wr) + ")");
+    if (qp_->recv_ring) throw_system_error(EBUSY, "recv_ring (the qp already has one)");
+    auto s = std::make_shared<detail::recv_ring_state>();
+    s->qp = qp_.get();
+    s->ctx = qp_->ctx;
+    s->count = count;
+    s->size = size;
+    const std::size_t bytes = std::size_t{count} * size;
+    s->memory = std::make_unique<std::byte[]>(bytes);
+    s->mr.emplace(pd, std::span<std::byte>(s->memory.get(), bytes));
+    s->slots = std::make_unique<detail::recv_ring_state::slot[]>(count);
+    for (std::uint32_t i = 0; i < count; ++i) {
+        auto& slot = s->slots[i];
+        slot.owner = s.get();
+        slot.on_wc = &detail::recv_ring_state::completed;
+        slot.sge.addr = reinterpret_cast<std::uintptr_t>(s->memory.get() + std::size_t{i} * size);
+        slot.sge.length = size;
+        slot.sge.lkey = s->mr->native()->lkey;
+        slot.wr.wr_id = detail::wr_id_for(&slot, true);
+        slot.wr.sg_list = &slot.sge;
+        slot.wr.num_sge = 1;
+    }
+    // Owned by the qp's state before the first post: from then on a completion names a slot.
+    qp_->recv_ring = s;
+    try {
+        for (std::uint32_t i = 0; i < count; ++i)
+            s->post(i);
+    } catch (...) {
+        // What was posted cannot be recalled: the QP goes to the error state, the slots stay
+        // with the qp's state until their flushes came.
+        s->orphaned = true;
+        for (std::uint32_t i = 0; i < count; ++i)
+            if (s->slots[i].posted) {
+                qp_->to_error();
+                break;
+            }
+        throw;
+    }
+    state_ = std::move(s);
+}
+
+recv_ring::~recv_ring() {
+    state_->orphaned = true;
+    while (detail::waiter* w = state_->waiters.pop_front())
+        w->fulfil(ECANCELED);
+    for (std::uint32_t i = 0; i < state_->count; ++i)
+        if (state_->slots[i].posted) {
+            qp_->to_error();
+            break;
+        }
+    detail::qp_state::release(std::move(qp_));
+}
+
+std::uint32_t recv_ring::ready() const noexcept {
+    std::uint32_t n = 0;
+    for (std::uint32_t i = state_->head; n < state_->count && state_->slots[i].done;
+         i = i + 1 == state_->count ? 0 : i + 1)
+        ++n;
+    return n;
+}
+
+recv_ring::message recv_ring::next_awaitable::await_resume() {
+    const int err = decided() ? error() : 0;
+    if (err != 0) throw_system_error(err, "recv_ring::next");
+    if (wc.status != IBV_WC_SUCCESS) {
+        if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == detail::never_flushed_vendor_err)
+            throw_system_error(EIO, "recv_ring::next: never flushed by the device: the QP was "
+                                    "in the error state for qp_options::flush_timeout and was "
+                                    "reset");
+        if (closed) throw connection_reset(wc, "recv_ring::next");
+        throw completion_error(wc, "recv_ring::next");
+    }
+    return {std::span<std::byte>(data, wc.byte_len), wc};
+}
+
+} // namespace ringverbs
