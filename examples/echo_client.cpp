@@ -21,11 +21,8 @@
 // (from a connection's first turn to ESTABLISHED, retries included) and failures by reason.
 #include "echo_common.hpp"
 
-#include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/cm/connection.hpp>
 #include <ringverbs/engine/signal_set.hpp>
-#include <ringverbs/rdma/channel.hpp>
-#include <ringverbs/rdma/cq.hpp>
-#include <ringverbs/rdma/qp.hpp>
 
 #include <arpa/inet.h>
 #include <unistd.h>
@@ -156,12 +153,6 @@ struct client {
     io_context& io;
     config cfg;
     sockaddr_storage server;
-    cm_channel cm{io};
-    // PD and completion channel of the device the route goes through, made by the first
-    // connection (they all go to one address).
-    std::optional<verbs::context> ctx;
-    std::optional<verbs::protection_domain> pd;
-    std::optional<channel> events;
     std::stop_source stopping;
     latency_histogram latency; // every verified round trip
     std::uint64_t verified = 0;
@@ -220,7 +211,7 @@ std::byte pattern(int c, std::uint64_t k, std::size_t i) {
 
 constexpr std::uint64_t send_bit = std::uint64_t{1} << 32;
 
-task<void> connection(client& cl, int number) {
+task<void> run_connection(client& cl, int number) {
     const config& cfg = cl.cfg;
     const std::uint32_t size = cfg.size, window = cfg.inflight;
     const std::string where = echo::text_of(reinterpret_cast<const sockaddr*>(&cl.server));
@@ -229,11 +220,13 @@ task<void> connection(client& cl, int number) {
     // Declared before the QP, so that they outlive it.
     std::vector<std::byte> buffers(2 * std::size_t{window} * size);
     std::optional<verbs::memory_region> mr;
-    // Each attempt makes its own id, CQ and QP; the next one (or the coroutine's end) destroys
-    // them, QP first.
-    std::optional<cq> completions;
-    std::optional<cm_id> id;
-    std::optional<qp> q;
+    // Each attempt makes its own connection (id, CQ and QP, on the device's shared PD and
+    // completion channel: connect()); the next one (or the coroutine's end) destroys it.
+    std::optional<ringverbs::connection> conn;
+    connection_options options;
+    options.caps = verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window};
+    options.completion.mode = cfg.mode;
+    options.step_timeout = 10s;
 
     echo::server_hello hello{};
     turn my_turn;
@@ -242,36 +235,18 @@ task<void> connection(client& cl, int number) {
     if (stop.stop_requested()) co_return; // SIGINT while waiting for the turn
     const auto first_turn = clock_type::now();
     for (int attempt = 1;; ++attempt) {
-        q.reset();
-        id.reset();
-        completions.reset();
-        bool established = false, reached = false;
+        conn.reset();
+        bool established = false, reached = true;
         setup_failure failure;
         try {
-            id.emplace(cl.cm);
-            co_await id->resolve_addr(reinterpret_cast<const sockaddr*>(&cl.server),
-                                      wait_options(5s, stop));
-            co_await id->resolve_route(wait_options(5s, stop));
-            reached = true;
-            if (!cl.ctx) {
-                cl.ctx.emplace(id->device());
-                if (!cfg.device.empty() && cl.ctx->name() != cfg.device)
-                    throw std::runtime_error("the route to " + where + " goes through device " +
-                                             std::string(cl.ctx->name()) + ", not " + cfg.device);
-                cl.pd.emplace(*cl.ctx);
-                cl.events.emplace(cl.io, *cl.ctx, channel_options{.mode = cfg.mode});
-            }
-            if (!mr) mr.emplace(*cl.pd, buffers);
-            completions.emplace(*cl.events, cq_options{.entries = static_cast<int>(2 * window)});
-            q.emplace(id->make_qp(*cl.pd, *completions, *completions,
-                                  verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window}));
-            auto data = co_await id->connect({}, wait_options(10s, stop));
-            if (data.size() >= sizeof hello) std::memcpy(&hello, data.data(), sizeof hello);
+            conn.emplace(co_await connect(cl.io, where, options, stop));
             established = true;
         } catch (const connection_rejected& e) {
             failure = classify(e);
         } catch (const std::system_error& e) {
             failure = classify(e);
+            // Failed before the route to the server was known.
+            reached = failure.text.find("rdma_resolve_") == std::string::npos;
         }
         if (established) break;
         if (stop.stop_requested())
@@ -301,6 +276,15 @@ task<void> connection(client& cl, int number) {
         if (stop.stop_requested()) co_return;
     }
     my_turn.give_back();
+    if (!cfg.device.empty() && conn->device().name() != cfg.device)
+        throw std::runtime_error("the route to " + where + " goes through device " +
+                                 std::string(conn->device().name()) + ", not " + cfg.device);
+    mr.emplace(conn->pd(), buffers);
+    if (const auto data = conn->peer_data(); data.size() >= sizeof hello)
+        std::memcpy(&hello, data.data(), sizeof hello);
+    qp& q = conn->queue_pair();
+    cq& completions = conn->completions();
+    cm_id& id = conn->id();
     ++cl.connected;
     cl.connect_time.add(
         std::chrono::duration<double, std::micro>(clock_type::now() - first_turn).count());
@@ -311,7 +295,7 @@ task<void> connection(client& cl, int number) {
     auto post_receive = [&](std::uint64_t slot) {
         sge = {reinterpret_cast<std::uintptr_t>(in + slot * size), size, mr->native()->lkey};
         ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
-        q->native_qp().post_recv(wr);
+        q.native_qp().post_recv(wr);
     };
     std::vector<clock_type::time_point> sent_at(window);
     auto post_message = [&](std::uint64_t k) {
@@ -326,7 +310,7 @@ task<void> connection(client& cl, int number) {
         wr.opcode = IBV_WR_SEND;
         wr.send_flags = IBV_SEND_SIGNALED;
         sent_at[slot] = clock_type::now();
-        q->native_qp().post_send(wr);
+        q.native_qp().post_send(wr);
     };
     // Receives first (the server sends nothing but replies, so after the connect is in time).
     std::uint64_t receives = std::min<std::uint64_t>(window, cfg.count); // posted so far
@@ -359,7 +343,7 @@ task<void> connection(client& cl, int number) {
         closing = true;
         error = std::move(why);
         try {
-            co_await id->disconnect(wait_options(2s));
+            co_await id.disconnect(wait_options(2s));
         } catch (const std::exception&) {
         }
     };
@@ -374,7 +358,7 @@ task<void> connection(client& cl, int number) {
                                                       : wait_options(cl.stopping.get_token());
         bool interrupted = false, timed_out = false;
         try {
-            wc = co_await completions->next(wait);
+            wc = co_await completions.next(wait);
         } catch (const std::system_error& e) {
             interrupted = true; // a co_await may not be in a handler
             timed_out = e.code() == std::errc::timed_out;
@@ -392,7 +376,7 @@ task<void> connection(client& cl, int number) {
         --posted;
         const std::uint64_t slot = wc.wr_id & ~send_bit;
         if (wc.status != IBV_WC_SUCCESS) {
-            std::string why = id->is_disconnected()
+            std::string why = id.is_disconnected()
                                   ? "the server closed the connection"
                                   : std::string(wc.wr_id & send_bit ? "send" : "receive") +
                                         " failed: " + ibv_wc_status_str(wc.status);
@@ -445,7 +429,7 @@ task<void> connection(client& cl, int number) {
 
 task<void> guarded(client& cl, int number) {
     try {
-        co_await connection(cl, number);
+        co_await run_connection(cl, number);
     } catch (const std::exception& e) {
         if (!cl.stopping.stop_requested()) ++cl.failed; // SIGINT is not a failure
         std::fprintf(stderr, "echo_client: %s\n", e.what());
