@@ -224,8 +224,16 @@ task<addrinfo_ptr> lookup(io_context& io, std::string host, std::string port, wa
         const std::uint64_t one = 1;
         [[maybe_unused]] const auto n = ::write(job->efd, &one, sizeof one);
     }).detach();
-    while (!job->done.load(std::memory_order_acquire))
-        co_await poll(io, job->efd, POLLIN, w);
+    int waited = 0;
+    try {
+        while (!job->done.load(std::memory_order_acquire))
+            co_await poll(io, job->efd, POLLIN, w);
+    } catch (const std::system_error& e) {
+        waited = e.code().value(); // timed_out (the step bound), operation_canceled (stop)
+    }
+    if (waited != 0)
+        throw_system_error(waited, "rdma_getaddrinfo(\"" + host + "\", \"" + port +
+                                       "\") (the name's lookup, on its thread)");
     if (job->code != 0) throw_lookup(job->code, host, port);
     co_return addrinfo_ptr(std::exchange(job->result, nullptr), rdma_freeaddrinfo);
 }

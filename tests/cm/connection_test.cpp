@@ -264,16 +264,15 @@ TEST_CASE("a stop_token ends a connect that waits for an address nobody has: "
     CHECK(std::chrono::steady_clock::now() - t0 < 10s);
 }
 
-TEST_CASE("connect to an address nobody has: timed_out naming rdma_connect after step_timeout" *
+TEST_CASE("connect to an address nobody has, with the default options: timed_out naming "
+          "rdma_connect once the default step bound (15 s) passed" *
           doctest::skip(!in_our_vm())) {
     const std::string ip = test_addr();
     io_context io;
-    connection_options o;
-    o.step_timeout = 2s;
     const std::string to = ip.substr(0, ip.rfind('.')) + ".77:20892";
     const auto t0 = std::chrono::steady_clock::now();
     try {
-        io.run(connect(io, to, o));
+        io.run(connect(io, to)); // no options: every step bounded by 15 s
         FAIL("connected");
     } catch (const std::system_error& e) {
         MESSAGE(std::string(e.what()));
@@ -281,6 +280,9 @@ TEST_CASE("connect to an address nobody has: timed_out naming rdma_connect after
         CHECK(contains(e.what(), "rdma_connect"));
     }
     const auto waited = std::chrono::steady_clock::now() - t0;
-    CHECK(waited >= 2s);
-    CHECK(waited < 20s);
+    MESSAGE("connect() ended after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms");
+    // Ended by the bound (resolution takes a moment on the dummy netdev), and not much after.
+    CHECK(waited >= 15s);
+    CHECK(waited < 45s);
 }
