@@ -286,3 +286,23 @@ TEST_CASE("connect to an address nobody has, with the default options: timed_out
     CHECK(waited >= 15s);
     CHECK(waited < 45s);
 }
+
+TEST_CASE("the polling mode is an option: a busy-polled connection and an event-driven one on "
+          "the same thread and device, both exchanging") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    connection_options busy;
+    busy.completion.mode = polling_mode::busy;
+    busy.caps.max_inline_data = 64;
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at, busy));
+        for (std::uint8_t i = 0; i < 20; ++i) {
+            co_await exchange(c, s, i);
+            co_await exchange(s, c, static_cast<std::uint8_t>(100 + i));
+        }
+        co_await c.disconnect(wait_options(10s));
+    };
+    io.run(run());
+}
