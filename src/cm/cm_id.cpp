@@ -268,6 +268,17 @@ void mark_connection_closed(rdma_cm_id* id) noexcept {
     with_object(id->qp, [](qp_state& q) { q.connection_closed = true; });
 }
 
+// rdma_disconnect has moved the id's QP to the error state: its flushes are bounded as after
+// qp::to_error() (the flush timer), so that a device that loses some (Linux 6.1's rxe) cannot
+// leave an await of the qp waiting for ever.
+void watch_qp_flush(rdma_cm_id* id) noexcept {
+    if (id->qp == nullptr) return;
+    with_object(id->qp, [](qp_state& q) {
+        q.in_error = true;
+        q.watch_flush();
+    });
+}
+
 namespace {
 
 // DISCONNECTED is sticky: it resumes disconnect() / disconnected() and ends a step in flight.
@@ -280,6 +291,7 @@ void deliver_disconnected(cm_id_state& s, const rdma_cm_event& ev) noexcept {
         s.disconnect_sent = true;
         rdma_disconnect(ev.id); // best effort: the connection is gone either way
     }
+    watch_qp_flush(ev.id);
     s.disconnected = true;
     s.connected = false;
     while (waiter* w = s.disconnect_waiters.pop_front())
@@ -531,6 +543,17 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
         // EINVAL on an id that never got connected: there is nothing to wait for.
         if (err != EINVAL || s.connected) throw_system_error(err, "rdma_disconnect");
         s.disconnected = true;
+        return;
+    }
+    detail::watch_qp_flush(s.id);
+}
+
+void cm_id::close() noexcept {
+    if (!state_ || state_->disconnect_sent || state_->disconnected || !state_->connected) return;
+    try {
+        start_disconnect(*state_);
+    } catch (const std::exception& e) {
+        detail::diagnose("%s", e.what()); // the id's destruction still ends the connection
     }
 }
 

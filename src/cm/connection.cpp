@@ -251,12 +251,12 @@ struct connection::parts {
     std::vector<std::byte> peer_data;
 
     parts(std::shared_ptr<cm_channel> ev, cm_id i) : events(std::move(ev)), id(std::move(i)) {}
-    // Members go in reverse: the qp first (it keeps its CQ's state and the id's until nothing
-    // is owed), then the CQ, the id, the channel and the PD.
+    // Members go in reverse: the ring, the qp (it keeps its CQ's state and the id's until
+    // nothing is owed), the CQ, the channel, the PD, the id, the event channel.
     ~parts() {
         // An established connection is ended now, so the peer learns it at once and the qp's
-        // owed requests flush (rdma_disconnect moves the QP to the error state).
-        if (id && queue && !id.is_disconnected()) rdma_disconnect(id.native());
+        // owed requests flush (their awaits end with connection_reset, bounded).
+        if (id) id.close();
     }
 
     // The device's PD and channel, this connection's CQ and its qp (on the id).
@@ -346,15 +346,28 @@ task<connection> connect(io_context& io, std::string address, connection_options
     co_return connection(std::move(p));
 }
 
+struct listener::state {
+    io_context* io = nullptr;
+    connection_options options;
+    std::vector<std::byte> private_data;
+    std::shared_ptr<cm_channel> events;
+    std::optional<cm_id> id; // reset by ~listener: its waiting accept()s end
+    std::uint16_t port = 0;
+};
+
 listener::listener(io_context& io, std::string_view address, connection_options options,
                    int backlog)
-    : io_(&io), options_(options),
-      private_data_(options.private_data.begin(), options.private_data.end()),
-      events_(std::make_shared<cm_channel>(io)), id_(*events_) {
-    options_.private_data = {};
+    : state_(std::make_shared<state>()) {
+    state& s = *state_;
+    s.io = &io;
+    s.options = options;
+    s.options.private_data = {};
+    s.private_data.assign(options.private_data.begin(), options.private_data.end());
+    s.events = std::make_shared<cm_channel>(io);
+    s.id.emplace(*s.events);
     std::string host, port;
     detail::split_host_port(address, host, port, "ringverbs::listener");
-    auto bind_and_listen = [&](const std::string& on) {
+    auto bind_and_listen = [&](const std::string& on, bool dual_stack) {
         rdma_addrinfo* found = nullptr;
         if (const int code = lookup_now(on, port, true, true, &found); code != 0)
             throw_lookup(code, on, port);
@@ -362,43 +375,64 @@ listener::listener(io_context& io, std::string_view address, connection_options 
         if (found->ai_src_addr == nullptr)
             throw_system_error(EINVAL, "rdma_getaddrinfo (no address to listen on in \"" +
                                            std::string(address) + "\")");
-        id_.listen(found->ai_src_addr, backlog);
+        if (dual_stack) {
+            // Whatever net.ipv6.bindv6only says: IPv4 requests too.
+            int zero = 0;
+            errno = 0;
+            if (rdma_set_option(s.id->native(), RDMA_OPTION_ID, RDMA_OPTION_ID_AFONLY, &zero,
+                                sizeof zero) != 0)
+                throw_system_error(errno != 0 ? errno : EIO,
+                                   "rdma_set_option(RDMA_OPTION_ID_AFONLY)");
+        }
+        s.id->listen(found->ai_src_addr, backlog);
     };
     if (!host.empty()) {
-        bind_and_listen(host);
-        return;
+        bind_and_listen(host, false);
+    } else {
+        // Any address: IPv6's, taking IPv4 requests too; IPv4's where the kernel has no IPv6.
+        try {
+            bind_and_listen("::", true);
+        } catch (const std::system_error& e) {
+            if (e.code().value() != EAFNOSUPPORT && e.code().value() != EADDRNOTAVAIL) throw;
+            s.id.emplace(*s.events);
+            bind_and_listen("0.0.0.0", false);
+        }
     }
-    // Any address: IPv6's, which takes IPv4 requests too (rdma_cm ids are not IPv6-only by
-    // default); IPv4's where the kernel has no IPv6.
-    try {
-        bind_and_listen("::");
-    } catch (const std::system_error& e) {
-        if (e.code().value() != EAFNOSUPPORT && e.code().value() != EADDRNOTAVAIL) throw;
-        id_ = cm_id(*events_);
-        bind_and_listen("0.0.0.0");
-    }
+    s.port = s.id->local_port();
 }
 
-listener::~listener() = default;
+listener::~listener() {
+    // Waiting accept()s resume with operation_canceled; one in a handshake finds the id gone
+    // when that ends (its frame shares this state).
+    state_->id.reset();
+}
 
 std::uint16_t listener::port() const noexcept {
-    return id_.local_port();
+    return state_->port;
+}
+cm_id& listener::id() noexcept {
+    return *state_->id;
+}
+cm_channel& listener::events() noexcept {
+    return *state_->events;
 }
 
 task<connection> listener::accept(wait_options w) {
+    const std::shared_ptr<state> s = state_;
     for (;;) {
-        cm_id request = co_await id_.accept(w);
+        if (!s->id) throw_system_error(ECANCELED, "listener::accept (the listener is gone)");
+        cm_id request = co_await s->id->accept(w);
         const std::string from = detail::address_text(rdma_get_peer_addr(request.native()));
-        auto p = std::make_unique<connection::parts>(events_, std::move(request));
+        auto p = std::make_unique<connection::parts>(s->events, std::move(request));
         p->peer_data.assign(p->id.request_data().begin(), p->id.request_data().end());
         // A failure here is ours (EMFILE, ENOMEM): it is thrown; the request, dropped with p,
         // is rejected.
-        p->equip(*io_, options_);
+        p->equip(*s->io, s->options);
         bool established = false;
         std::string why;
         try {
             co_await p->id.accept_connection(
-                private_data_, wait_options(options_.step_timeout, w.stop), options_.conn);
+                s->private_data, wait_options(s->options.step_timeout, w.stop), s->options.conn);
             established = true;
         } catch (const std::system_error& e) {
             if (w.stop.stop_requested()) throw;
@@ -406,7 +440,7 @@ task<connection> listener::accept(wait_options w) {
         }
         if (established) co_return connection(std::move(p));
         detail::diagnose("listener on port %u: the connection from %s was dropped: %s",
-                         static_cast<unsigned>(port()), from.c_str(), why.c_str());
+                         static_cast<unsigned>(s->port), from.c_str(), why.c_str());
     }
 }
 

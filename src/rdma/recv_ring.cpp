@@ -29,9 +29,19 @@ void recv_ring_state::post(std::uint32_t i) {
 }
 
 void recv_ring_state::repost_held() {
-    if (!holding) return;
+    if (!waiters.empty())
+        throw_system_error(EBUSY, "recv_ring::next (another next() is waiting: a ring has one "
+                                  "consumer at a time)");
+    // A failure at the head is what the next next() reports; nothing is posted after it.
+    if (!holding || (slots[head].done && slots[head].wc.status != IBV_WC_SUCCESS)) return;
     post(held); // on failure still held: the next next() tries again
     holding = false;
+}
+
+bool recv_ring_state::owed() const noexcept {
+    for (std::uint32_t i = 0; i < count; ++i)
+        if (slots[i].posted) return true;
+    return false;
 }
 
 bool recv_ring_state::hand_out(recv_ring_waiter& w) noexcept {
@@ -106,13 +116,12 @@ recv_ring::recv_ring(qp& q, const verbs::protection_domain& pd, std::uint32_t co
             s->post(i);
     } catch (...) {
         // What was posted cannot be recalled: the QP goes to the error state, the slots stay
-        // with the qp's state until their flushes came.
+        // with the qp's state until their flushes came. With nothing posted, they go now.
         s->orphaned = true;
-        for (std::uint32_t i = 0; i < count; ++i)
-            if (s->slots[i].posted) {
-                qp_->to_error();
-                break;
-            }
+        if (s->owed())
+            qp_->to_error();
+        else
+            qp_->recv_ring.reset();
         throw;
     }
     state_ = std::move(s);
@@ -122,12 +131,12 @@ recv_ring::~recv_ring() {
     state_->orphaned = true;
     while (detail::waiter* w = state_->waiters.pop_front())
         w->fulfil(ECANCELED);
-    for (std::uint32_t i = 0; i < state_->count; ++i)
-        if (state_->slots[i].posted) {
-            qp_->to_error();
-            break;
-        }
-    detail::qp_state::release(std::move(qp_));
+    if (state_->owed())
+        qp_->to_error(); // the slots stay with the qp's state until their flushes came
+    else
+        qp_->recv_ring.reset(); // nothing names a slot: the qp may have another ring
+    // The last owner of the qp's state ends it as ~qp does; otherwise the qp handle will.
+    if (qp_.use_count() == 1) detail::qp_state::release(std::move(qp_));
 }
 
 std::uint32_t recv_ring::ready() const noexcept {

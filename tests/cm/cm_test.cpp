@@ -1,6 +1,6 @@
 // rdma_cm on the io_context: resolve, connect, listen/accept, reject, disconnect, all through
 // one event channel, with the process connecting to itself over the test device's address.
-#include "rdma_fixture.hpp"
+#include "cm_fixture.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
 #include <ringverbs/engine/timer.hpp>
@@ -28,22 +28,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::errc errc_of(const std::system_error& e) {
-    return static_cast<std::errc>(e.code().value());
-}
-
-// The IPv4 address of the test device: $RINGVERBS_ADDR (the VM harness), else the address its
-// RoCE v2 GID carries. rdma_cm cannot bind 127.0.0.1 on rxe.
-std::string test_addr() {
-    if (const char* a = std::getenv("RINGVERBS_ADDR"); a != nullptr && *a != '\0') return a;
-    if (const char* a = std::getenv("SOFTROCE_ADDR"); a != nullptr && *a != '\0') return a;
-    verbs::context ctx(rdma_device().name);
-    ibv_gid_entry e = ctx.query_gid(rdma_device().port, rdma_device().gid_index);
-    char text[INET_ADDRSTRLEN] = {};
-    inet_ntop(AF_INET, &e.gid.raw[12], text, sizeof text);
-    return text;
-}
-
 sockaddr_in addr_at(const std::string& ip, std::uint16_t port) {
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -54,16 +38,6 @@ sockaddr_in addr_at(const std::string& ip, std::uint16_t port) {
 
 const sockaddr* sa(const sockaddr_in& a) {
     return reinterpret_cast<const sockaddr*>(&a);
-}
-
-std::vector<std::byte> bytes_of(const char* s) {
-    std::vector<std::byte> v(std::strlen(s));
-    std::memcpy(v.data(), s, v.size());
-    return v;
-}
-
-bool starts_with(std::span<const std::byte> got, const std::vector<std::byte>& want) {
-    return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
 }
 
 // Resolves `to` on `id` (address and route), as a connecting id does first.
@@ -214,11 +188,6 @@ TEST_CASE("connect where nothing listens: refused, and the message says so") {
         CHECK(std::string(e.what()).find("nothing listens") != std::string::npos);
     }
     CHECK(std::chrono::steady_clock::now() - t0 < 5s);
-}
-
-bool in_our_vm() {
-    const char* v = std::getenv("RINGVERBS_IN_VM");
-    return v != nullptr && std::string(v) == "1";
 }
 
 // Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the

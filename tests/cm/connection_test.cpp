@@ -1,6 +1,6 @@
 // connect() and listener on a real RDMA device: the process connects to itself over the test
 // device's address; what the connections share, their errors, their ends.
-#include "rdma_fixture.hpp"
+#include "cm_fixture.hpp"
 
 #include <ringverbs/cm/connection.hpp>
 #include <ringverbs/engine/timer.hpp>
@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stop_token>
 #include <string>
 #include <vector>
@@ -23,38 +24,8 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::errc errc_of(const std::system_error& e) {
-    return static_cast<std::errc>(e.code().value());
-}
-
 bool contains(const std::string& text, const char* part) {
     return text.find(part) != std::string::npos;
-}
-
-// The IPv4 address of the test device (as cm_test.cpp).
-std::string test_addr() {
-    if (const char* a = std::getenv("RINGVERBS_ADDR"); a != nullptr && *a != '\0') return a;
-    if (const char* a = std::getenv("SOFTROCE_ADDR"); a != nullptr && *a != '\0') return a;
-    verbs::context ctx(rdma_device().name);
-    ibv_gid_entry e = ctx.query_gid(rdma_device().port, rdma_device().gid_index);
-    char text[INET_ADDRSTRLEN] = {};
-    inet_ntop(AF_INET, &e.gid.raw[12], text, sizeof text);
-    return text;
-}
-
-bool in_our_vm() {
-    const char* v = std::getenv("RINGVERBS_IN_VM");
-    return v != nullptr && std::string(v) == "1";
-}
-
-std::vector<std::byte> bytes_of(const char* s) {
-    std::vector<std::byte> v(std::strlen(s));
-    std::memcpy(v.data(), s, v.size());
-    return v;
-}
-
-bool starts_with(std::span<const std::byte> got, const std::vector<std::byte>& want) {
-    return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
 }
 
 // One message each way on an established pair, verified.
@@ -305,4 +276,26 @@ TEST_CASE("the polling mode is an option: a busy-polled connection and an event-
         co_await c.disconnect(wait_options(10s));
     };
     io.run(run());
+}
+
+TEST_CASE("a listener destroyed while accept() waits: the accept ends with operation_canceled") {
+    const std::string ip = test_addr();
+    io_context io;
+    std::optional<listener> l;
+    l.emplace(io, ip + ":0");
+    bool cancelled = false;
+    auto waiting = [&]() -> task<void> {
+        try {
+            connection c = co_await l->accept(wait_options(20s));
+            (void)c;
+        } catch (const std::system_error& e) {
+            cancelled = errc_of(e) == std::errc::operation_canceled;
+        }
+    };
+    auto destroyer = [&]() -> task<void> {
+        co_await sleep_for(io, 100ms);
+        l.reset();
+    };
+    io.run(when_all(waiting(), destroyer()));
+    CHECK(cancelled);
 }

@@ -191,3 +191,52 @@ TEST_CASE("recv_ring: what it refuses") {
     qp on_srq(dev.pd, lp.cq_a, lp.cq_a, {}, qp_options{.shared_receive_queue = &shared});
     refused([&] { recv_ring r(on_srq, dev.pd, 4, 64); }, std::errc::invalid_argument, "srq");
 }
+
+TEST_CASE("recv_ring: one consumer: a second next() while one waits throws EBUSY; the first "
+          "still gets its message") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    recv_ring ring(lp.b, dev.pd, 4, 128);
+    region out(dev.pd, 128);
+    stamp(std::span(out.bytes).first(length_of(2)), 2);
+    bool first_got = false, second_busy = false;
+    auto first = [&]() -> task<void> {
+        recv_ring::message m = co_await ring.next(wait_options(10s));
+        first_got = intact(m.data, 2);
+    };
+    auto second = [&]() -> task<void> {
+        co_await io.schedule(); // after the first is waiting
+        try {
+            co_await ring.next(wait_options(10s));
+        } catch (const std::system_error& e) {
+            second_busy = errc_of(e) == std::errc::device_or_resource_busy;
+        }
+        co_await lp.a.send(out.local(0, length_of(2)));
+    };
+    io.run(when_all(first(), second()));
+    CHECK(second_busy);
+    CHECK(first_got);
+}
+
+TEST_CASE("recv_ring: once a spent ring is gone (nothing posted), the qp takes a new one") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    std::optional<recv_ring> ring;
+    ring.emplace(lp.b, dev.pd, 4, 64);
+    auto drain = [&]() -> task<void> {
+        lp.b.to_error();
+        try {
+            co_await ring->next(wait_options(10s));
+        } catch (const completion_error&) {
+        }
+        co_await lp.b.close(wait_options(10s)); // every slot flushed
+    };
+    io.run(drain());
+    ring.reset();
+    recv_ring again(lp.b, dev.pd, 2, 64); // would be EBUSY if the spent ring still held the qp
+    CHECK(again.count() == 2);
+    auto drain_again = [&]() -> task<void> { co_await lp.b.close(wait_options(10s)); };
+    io.run(drain_again());
+}

@@ -181,6 +181,10 @@ class cm_id {
     // timed_out or operation_canceled.
     disconnect_awaitable disconnected(wait_options options = {}) noexcept;
     bool is_disconnected() const noexcept { return state_->disconnected; }
+    // Begins the disconnect of an established connection (rdma_disconnect: the QP goes to the
+    // error state, the peer learns it) without waiting for it, once; for destructors. A failure
+    // goes to the diagnostics sink.
+    void close() noexcept;
 
     // The qp of this connection: created by rdma_create_qp on `pd` (of device(), else EINVAL)
     // with the cqs (whose channel must be on device() too), moved through its states by

@@ -148,7 +148,8 @@ class connection {
 // "[fe80::1%eth0]:7471", "server.example:7471"; a host name is looked up on a thread of its
 // own, so the loop does not block), then the address and route on the device that reaches it,
 // makes the qp and connects, each step bounded by options.step_timeout (15 s). `stop` cancels
-// whichever step is under way. Throws:
+// whichever step is under way. A name with several addresses: the first one rdma_getaddrinfo
+// gives is tried. Throws:
 // - std::system_error(EINVAL) naming ringverbs::connect for an address it cannot parse;
 //   naming rdma_getaddrinfo (with gai_strerror's text) for a name it cannot resolve;
 // - connection_rejected when the peer refused (nothing listens on that port, or rdma_reject);
@@ -166,7 +167,9 @@ task<connection> connect(io_context& io, std::string address, connection_options
 // "host:port", ":port" (any address, IPv4 and IPv6), "0.0.0.0:port", "[::]:port"; port 0 picks
 // one (port() tells which). When listening on any address the device is known only at each
 // request: each connection gets the PD and channel of the device its request came on.
-// Owns its cm_channel; destroy before the io_context, on its thread.
+// Owns its cm_channel; destroy before the io_context, on its thread. Destroying it ends the
+// accept()s waiting for a request (operation_canceled); one in the middle of a handshake ends
+// when that does.
 class listener {
   public:
     // rdma_getaddrinfo (numeric addresses only: no lookup blocks the thread here), then
@@ -182,22 +185,21 @@ class listener {
     // co_await l.accept(): the next request made into an established connection (its qp made
     // and rdma_accept done, bounded by options.step_timeout). A request whose handshake fails
     // on the peer's side (it went away, timed out) is dropped and reported to the diagnostics
-    // sink, and accept() waits for the next one. Throws std::system_error: "cm_id::accept"
-    // with timed_out / operation_canceled per `w` (or the channel's errno); what making the CQ
-    // or qp throws (EMFILE, ENOMEM: that request is rejected, the listener stays usable).
+    // sink, and accept() waits for the next one (`w`'s timeout then counts again). Throws
+    // std::system_error: "cm_id::accept" with timed_out / operation_canceled per `w` (or the
+    // channel's errno, or operation_canceled when the listener is destroyed); what making the
+    // CQ or qp throws (EMFILE, ENOMEM: that request is rejected, the listener stays usable).
     task<connection> accept(wait_options w = {});
 
     // The port listened on, in host order.
     std::uint16_t port() const noexcept;
-    cm_id& id() noexcept { return id_; }
-    cm_channel& events() noexcept { return *events_; }
+    cm_id& id() noexcept;
+    cm_channel& events() noexcept;
+
+    struct state;
 
   private:
-    io_context* io_;
-    connection_options options_;
-    std::vector<std::byte> private_data_;
-    std::shared_ptr<cm_channel> events_;
-    cm_id id_;
+    std::shared_ptr<state> state_; // shared with accept()s under way
 };
 
 namespace detail {

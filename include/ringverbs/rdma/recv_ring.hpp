@@ -55,8 +55,10 @@ struct recv_ring_state {
 
     // Posts slot i (ibv_post_recv). Throws std::system_error naming it.
     void post(std::uint32_t i);
-    // Reposts the slot handed out last, if any.
+    // Before a next(): refuses a second consumer (EBUSY), then reposts the slot handed out
+    // last, if any, unless a failure waits at the head.
     void repost_held();
+    bool owed() const noexcept; // a slot is posted
     // Gives the head slot's outcome to `w` when it is done: true.
     bool hand_out(recv_ring_waiter& w) noexcept;
     static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
@@ -90,11 +92,13 @@ class recv_ring_waiter : public waiter {
 // and so does every next() after it (the ring is then spent). A timeout or stop of next()
 // only ends that wait: the receives stay posted, the ring stays usable.
 //
-// One ring per qp (not on an srq's qp), made before anything else posts receives on it if the
-// order matters. Lifetime: the ring keeps the qp's state; destroying the ring while receives
-// are still posted moves the QP to the error state (a posted receive cannot be recalled
-// otherwise) and its slots live on until their flushes came. Destroy on the io_context's
-// thread, before it.
+// One consumer: a next() while another waits throws EBUSY (the ring hands out one message at a
+// time, and posts it again at the following next()). One ring per qp (not on an srq's qp),
+// made before anything else posts receives on it if the order matters. Lifetime: the ring
+// keeps the qp's state; destroying the ring while receives are still posted moves the QP to
+// the error state (a posted receive cannot be recalled otherwise) and its slots live on until
+// their flushes came. A message's bytes are the ring's: gone with it. Destroy on the
+// io_context's thread, before it.
 class recv_ring {
   public:
     struct message {
@@ -113,9 +117,10 @@ class recv_ring {
     recv_ring& operator=(const recv_ring&) = delete;
 
     // co_await ring.next(): the next message. Posts the slot of the previous one again first
-    // (throws naming ibv_post_recv if that fails). Errors: as above; std::system_error
-    // "recv_ring::next" with timed_out / operation_canceled per `w`, or operation_canceled when
-    // the ring is destroyed while awaited.
+    // (throws naming ibv_post_recv if that fails; tried again by the next next()). Errors: as
+    // above; std::system_error "recv_ring::next" with timed_out / operation_canceled per `w`,
+    // operation_canceled when the ring is destroyed while awaited, EBUSY when another next()
+    // is waiting.
     next_awaitable next(wait_options w = {}) noexcept;
 
     std::uint32_t count() const noexcept { return state_->count; }
