@@ -372,9 +372,16 @@ task<void> connection::watch_disconnect() {
             failed = std::string("the client disconnected; ") + e.what();
         }
         if (!failed.empty()) co_await close(std::move(failed));
-    } else if (gone) {
-        co_await close("the client disconnected");
-    } else if (!closing_ && (failure_ || server_.stopping.stop_requested())) {
+        co_return;
+    }
+    if (gone && !failure_) {
+        // The shared loops may hold this connection's failure from the same loop turn (the
+        // client disconnects because of it: an oversized message's completion comes before
+        // its DREQ): one turn later, the failure is named instead.
+        co_await worker_.io->schedule();
+        if (!failure_) co_await close("the client disconnected");
+    }
+    if (!closing_ && (failure_ || server_.stopping.stop_requested())) {
         // Named, not a ?: inside the co_await: GCC 12 destroys such a temporary twice.
         std::string why = failure_ ? *failure_ : std::string("the server is shutting down");
         co_await close(std::move(why));
