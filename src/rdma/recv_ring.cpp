@@ -6,6 +6,7 @@
 #include <ringverbs/verbs/verb_error.hpp>
 
 #include <string>
+#include <utility>
 
 namespace ringverbs {
 
@@ -33,7 +34,7 @@ void recv_ring_state::repost_held() {
         throw_system_error(EBUSY, "recv_ring::next (another next() is waiting: a ring has one "
                                   "consumer at a time)");
     // A failure at the head is what the next next() reports; nothing is posted after it.
-    if (!holding || (slots[head].done && slots[head].wc.status != IBV_WC_SUCCESS)) return;
+    if (!holding || (slots[head].done && slots[head].failed())) return;
     post(held); // on failure still held: the next next() tries again
     holding = false;
 }
@@ -49,9 +50,12 @@ bool recv_ring_state::hand_out(recv_ring_waiter& w) noexcept {
     if (!s.done) return false;
     w.wc = s.wc;
     w.closed = s.closed;
+    w.violation = s.violation;
+    w.length = s.length;
+    w.slot_size = size;
     w.data = memory.get() + std::size_t{head} * size;
     // A failure stays at the head: every later next() reports it too.
-    if (s.wc.status == IBV_WC_SUCCESS) {
+    if (!s.failed()) {
         s.done = false;
         held = head;
         holding = true;
@@ -67,10 +71,22 @@ void recv_ring_state::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     s->done = true;
     s->wc = wc;
     s->closed = wc.status == IBV_WC_WR_FLUSH_ERR && r->qp->connection_closed;
+    s->violation = false;
+    s->length = 0;
+    if (wc.status == IBV_WC_SUCCESS) {
+        // The peer chose the length and the opcode: nothing past the slot is handed out.
+        if (wc.opcode == IBV_WC_RECV && wc.byte_len <= r->size)
+            s->length = wc.byte_len;
+        else if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM)
+            s->violation = true;
+    }
     r->qp->unlink(s);
+    if (s->violation) r->qp->to_error(); // the connection cannot be trusted: its QP ends
     if (r->orphaned || r->waiters.empty() || !r->slots[r->head].done) return;
     auto* w = static_cast<recv_ring_waiter*>(r->waiters.pop_front());
     r->hand_out(*w);
+    w->handed = true;
+    r->handed = w;
     w->fulfil(0);
 }
 
@@ -129,6 +145,8 @@ recv_ring::recv_ring(qp& q, const verbs::protection_domain& pd, std::uint32_t co
 
 recv_ring::~recv_ring() {
     state_->orphaned = true;
+    if (detail::recv_ring_waiter* w = std::exchange(state_->handed, nullptr))
+        w->abandoned = true; // readied with bytes of a slot that may go now: it ends cancelled
     while (detail::waiter* w = state_->waiters.pop_front())
         w->fulfil(ECANCELED);
     if (state_->owed())
@@ -149,7 +167,24 @@ std::uint32_t recv_ring::ready() const noexcept {
 
 recv_ring::message recv_ring::next_awaitable::await_resume() {
     const int err = decided() ? error() : 0;
+    if (handed) {
+        handed = false;
+        if (abandoned)
+            throw_system_error(ECANCELED, "recv_ring::next (the ring was destroyed before the "
+                                          "awaiting coroutine resumed)");
+        state_->handed = nullptr;
+    }
+    if (stopped)
+        throw_system_error(ECANCELED, "recv_ring::next (stop requested; messages ready stay in "
+                                      "the ring)");
     if (err != 0) throw_system_error(err, "recv_ring::next");
+    if (violation)
+        throw_system_error(EPROTO, "recv_ring::next: a receive completion the slot cannot hold "
+                                   "(byte_len " +
+                                       std::to_string(wc.byte_len) + ", opcode " +
+                                       std::to_string(static_cast<int>(wc.opcode)) + ", slots of " +
+                                       std::to_string(slot_size) +
+                                       " bytes): the QP was moved to the error state");
     if (wc.status != IBV_WC_SUCCESS) {
         if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == detail::never_flushed_vendor_err)
             throw_system_error(EIO, "recv_ring::next: never flushed by the device: the QP was "
@@ -158,7 +193,7 @@ recv_ring::message recv_ring::next_awaitable::await_resume() {
         if (closed) throw connection_reset(wc, "recv_ring::next");
         throw completion_error(wc, "recv_ring::next");
     }
-    return {std::span<std::byte>(data, wc.byte_len), wc};
+    return {std::span<std::byte>(data, length), wc};
 }
 
 } // namespace ringverbs

@@ -2,7 +2,9 @@
 // end without touching the receives, failures that stick, a teardown that owes nothing.
 #include "rdma_fixture.hpp"
 
+#include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/rdma/recv_ring.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
@@ -11,7 +13,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <endian.h>
 #include <optional>
+#include <stop_token>
 
 using namespace rt;
 using namespace std::chrono_literals;
@@ -239,4 +243,154 @@ TEST_CASE("recv_ring: once a spent ring is gone (nothing posted), the qp takes a
     CHECK(again.count() == 2);
     auto drain_again = [&]() -> task<void> { co_await lp.b.close(wait_options(10s)); };
     io.run(drain_again());
+}
+
+namespace {
+
+// A device that misreports: every successful receive completion claims 16 KiB more than it
+// carried. A fault between the runtime and the real device (the completion itself is real).
+struct inflate_receives {
+    inflate_receives() noexcept { detail::hooks().poll_cq = &poll; }
+    ~inflate_receives() { detail::hooks().poll_cq = detail::real_verbs().poll_cq; }
+    inflate_receives(const inflate_receives&) = delete;
+    inflate_receives& operator=(const inflate_receives&) = delete;
+    static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
+        const int got = detail::real_verbs().poll_cq(cq, n, wc);
+        for (int i = 0; i < got; ++i)
+            if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV)
+                wc[i].byte_len += 16384;
+        return got;
+    }
+};
+
+} // namespace
+
+TEST_CASE("recv_ring: a peer's RDMA WRITE WITH IMMEDIATE of 16 KiB consumes a 4 KiB slot as a "
+          "message with no data and its immediate; nothing past the slot is handed out") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    recv_ring ring(lp.b, dev.pd, 4, 4096);
+    region target(dev.pd, 16384); // remote-writable, on the ring's PD (any connection's region)
+    region out(dev.pd, 16384);
+    fill(out.bytes, 5);
+    auto run = [&]() -> task<void> {
+        co_await lp.a.write(out.all(), target.remote(), send_options{.imm = 0xABCDu});
+        recv_ring::message m = co_await ring.next(wait_options(10s));
+        CHECK(m.wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM);
+        CHECK(m.data.empty());
+        CHECK(m.wc.byte_len == 16384); // what the peer wrote into its chosen region
+        CHECK(be32toh(m.wc.imm_data) == 0xABCDu);
+        CHECK(target.bytes == out.bytes);
+        // The ring goes on: a SEND after it lands in a slot as usual.
+        stamp(std::span(out.bytes).first(length_of(3)), 3);
+        co_await lp.a.send(out.local(0, length_of(3)));
+        recv_ring::message n = co_await ring.next(wait_options(10s));
+        CHECK(n.wc.opcode == IBV_WC_RECV);
+        CHECK(intact(n.data, 3));
+    };
+    io.run(run());
+}
+
+TEST_CASE("recv_ring: a receive completion longer than its slot is a protocol violation: EPROTO "
+          "naming the length, the QP to the error state, every later next() the same") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    recv_ring ring(lp.b, dev.pd, 4, 256);
+    region out(dev.pd, 256);
+    stamp(std::span(out.bytes).first(length_of(4)), 4);
+    const inflate_receives misreporting;
+    auto run = [&]() -> task<void> {
+        co_await lp.a.send(out.local(0, length_of(4)));
+        for (int i = 0; i < 2; ++i) {
+            bool violation = false;
+            try {
+                recv_ring::message m = co_await ring.next(wait_options(10s));
+                MESSAGE("handed out " << m.data.size() << " bytes from a 256-byte slot");
+            } catch (const std::system_error& e) {
+                MESSAGE(std::string(e.what()));
+                violation = errc_of(e) == std::errc::protocol_error;
+                CHECK(std::string(e.what()).find("recv_ring::next") != std::string::npos);
+                CHECK(std::string(e.what()).find(std::to_string(length_of(4) + 16384)) !=
+                      std::string::npos);
+            }
+            CHECK(violation);
+        }
+    };
+    io.run(run());
+    CHECK(lp.b.native_qp().state() == IBV_QPS_ERR); // the other slots flush (or time out)
+}
+
+TEST_CASE("recv_ring: a stop requested before next() ends it at once, even with messages ready; "
+          "they stay in the ring, in order") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    recv_ring ring(lp.b, dev.pd, 4, 256);
+    region out(dev.pd, 3 * 256);
+    std::stop_source stop;
+    auto run = [&]() -> task<void> {
+        for (std::uint32_t k = 0; k < 3; ++k) {
+            auto slot = std::span(out.bytes).subspan(k * 256, length_of(k));
+            stamp(slot, k);
+            co_await lp.a.send(local_buffer(out.mr, slot));
+        }
+        for (int spin = 0; ring.ready() < 3 && spin < 100; ++spin)
+            co_await sleep_for(io, 10ms);
+        REQUIRE(ring.ready() == 3);
+        stop.request_stop();
+        bool cancelled = false;
+        try {
+            co_await ring.next(wait_options(10s, stop.get_token()));
+        } catch (const std::system_error& e) {
+            cancelled = errc_of(e) == std::errc::operation_canceled;
+        }
+        CHECK(cancelled);
+        CHECK(ring.ready() == 3);
+        for (std::uint32_t k = 0; k < 3; ++k) {
+            recv_ring::message m = co_await ring.next(wait_options(10s));
+            CHECK(intact(m.data, k));
+        }
+    };
+    io.run(run());
+}
+
+TEST_CASE("recv_ring: destroyed by a coroutine that runs between a next()'s message and its "
+          "resumption: the next() ends with operation_canceled, never with the freed bytes") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    std::optional<recv_ring> ring;
+    ring.emplace(lp.b, dev.pd, 1, 64); // one slot: once handed out nothing is posted, so
+                                       // ~recv_ring frees the memory at once
+    region out(dev.pd, 64);
+    stamp(std::span(out.bytes).first(length_of(6)), 6);
+    bool cancelled = false, got_message = false, destroyed_in_between = false;
+    auto consumer = [&]() -> task<void> {
+        try {
+            recv_ring::message m = co_await ring->next(wait_options(10s));
+            got_message = true;
+            CHECK(intact(m.data, 6)); // reads the slot: a use-after-free under ASan
+        } catch (const std::system_error& e) {
+            cancelled = errc_of(e) == std::errc::operation_canceled;
+        }
+    };
+    // Resumed every loop turn, ahead of what the turn's completions ready: it sees the receive
+    // taken (nothing owed on b) before the consumer runs, and destroys the ring then.
+    auto destroyer = [&]() -> task<void> {
+        co_await io.schedule();
+        co_await lp.a.send(out.local(0, length_of(6)));
+        for (long turn = 0; turn < 50'000'000 && ring; ++turn) {
+            if (lp.b.pending() == 0 && !got_message && !cancelled) {
+                ring.reset();
+                destroyed_in_between = true;
+            }
+            if (ring) co_await io.schedule();
+        }
+    };
+    io.run(when_all(consumer(), destroyer()));
+    CHECK(destroyed_in_between);
+    CHECK(cancelled);
+    CHECK_FALSE(got_message);
 }

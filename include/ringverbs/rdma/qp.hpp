@@ -154,7 +154,10 @@ class qp {
     // SEND (with immediate data, inline, solicited, unsignaled per `o`). Gives the completion
     // (for an unsignaled send: made up at post, see send_options::signaled).
     request send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
-    // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags).
+    // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags). The peer chose
+    // what it says: with opcode IBV_WC_RECV_RDMA_WITH_IMM nothing was written into `into`
+    // (byte_len is what the peer's WRITE put into a remote-writable region of its choice);
+    // check opcode and byte_len before reading `into` (recv_ring does).
     request recv(local_buffer into, wait_options w = {}) noexcept;
     // RDMA WRITE of `data` to `to` (with immediate data, unsignaled per `o`).
     request write(local_buffer data, remote_buffer to, send_options o = {},

@@ -35,9 +35,13 @@ struct recv_ring_state {
         ibv_recv_wr wr{};
         ibv_sge sge{};
         ibv_wc wc{};
-        bool posted = false; // owed a completion
-        bool done = false;   // its completion came (wc), not handed out yet
-        bool closed = false; // a flush after the connection ended
+        std::uint32_t length = 0; // the bytes in the slot: wc.byte_len for a RECV, 0 for a
+                                  // WRITE WITH IMMEDIATE (its bytes went elsewhere)
+        bool posted = false;      // owed a completion
+        bool done = false;        // its completion came (wc), not handed out yet
+        bool closed = false;      // a flush after the connection ended
+        bool violation = false;   // a success the slot cannot hold (length, opcode)
+        bool failed() const noexcept { return wc.status != IBV_WC_SUCCESS || violation; }
     };
 
     qp_state* qp = nullptr;
@@ -52,6 +56,10 @@ struct recv_ring_state {
     bool holding = false;
     bool orphaned = false; // the ring handle is gone
     waiter_queue waiters;  // of recv_ring_waiter
+    // The waiter given a message and readied, not resumed yet: its bytes are in a slot, so
+    // ~recv_ring (another coroutine of the same loop turn) must end it instead of freeing them
+    // under it.
+    recv_ring_waiter* handed = nullptr;
 
     // Posts slot i (ibv_post_recv). Throws std::system_error naming it.
     void post(std::uint32_t i);
@@ -70,7 +78,13 @@ class recv_ring_waiter : public waiter {
   public:
     ibv_wc wc{};
     std::byte* data = nullptr;
+    std::uint32_t length = 0;
+    std::uint32_t slot_size = 0;
     bool closed = false;
+    bool violation = false;
+    bool handed = false;    // recv_ring_state::handed is this waiter
+    bool abandoned = false; // the ring was destroyed between its fulfilment and its resumption
+    bool stopped = false;   // its stop_token was requested before it waited
 };
 
 } // namespace detail
@@ -92,6 +106,15 @@ class recv_ring_waiter : public waiter {
 // and so does every next() after it (the ring is then spent). A timeout or stop of next()
 // only ends that wait: the receives stay posted, the ring stays usable.
 //
+// What the peer controls is checked before it is handed out: a message's data never reaches
+// past its slot. A SEND lands in the slot (data: wc.byte_len bytes). An RDMA WRITE WITH
+// IMMEDIATE consumes a slot but writes elsewhere (a remote-writable region the peer chose):
+// its message has empty data, m.wc.imm_data its immediate, and m.wc.byte_len the length the
+// peer wrote there (not bytes of the slot). A completion the slot cannot hold (a length above
+// slot_size(), an opcode that is no receive) is a protocol violation: the QP goes to the error
+// state and next() throws std::system_error(EPROTO) naming recv_ring::next, the length and the
+// opcode, as does every next() after it.
+//
 // One consumer: a next() while another waits throws EBUSY (the ring hands out one message at a
 // time, and posts it again at the following next()). One ring per qp (not on an srq's qp),
 // made before anything else posts receives on it if the order matters. Lifetime: the ring
@@ -102,8 +125,10 @@ class recv_ring_waiter : public waiter {
 class recv_ring {
   public:
     struct message {
-        std::span<std::byte> data; // the bytes received (wc.byte_len of them), in the slot
-        ibv_wc wc;
+        // The bytes received, in the slot (at most slot_size(); empty for a WRITE WITH
+        // IMMEDIATE, whose bytes went to the region the peer wrote).
+        std::span<std::byte> data;
+        ibv_wc wc; // as the device reported it (opcode, imm_data, wc_flags, byte_len)
     };
     class next_awaitable;
 
@@ -118,9 +143,11 @@ class recv_ring {
 
     // co_await ring.next(): the next message. Posts the slot of the previous one again first
     // (throws naming ibv_post_recv if that fails; tried again by the next next()). Errors: as
-    // above; std::system_error "recv_ring::next" with timed_out / operation_canceled per `w`,
-    // operation_canceled when the ring is destroyed while awaited, EBUSY when another next()
-    // is waiting.
+    // above; std::system_error "recv_ring::next" with timed_out / operation_canceled per `w`
+    // (a stop requested before the co_await ends it at once, even with messages ready: they
+    // stay in the ring), operation_canceled when the ring is destroyed while awaited (also
+    // when its message was ready but the coroutine not resumed yet: the bytes went with the
+    // ring), EBUSY when another next() is waiting.
     next_awaitable next(wait_options w = {}) noexcept;
 
     std::uint32_t count() const noexcept { return state_->count; }
@@ -139,8 +166,16 @@ class recv_ring::next_awaitable : detail::recv_ring_waiter {
   public:
     next_awaitable(const next_awaitable&) = delete;
     next_awaitable& operator=(const next_awaitable&) = delete;
+    ~next_awaitable() {
+        // Destroyed while readied but never resumed (its frame destroyed): the ring forgets it.
+        if (handed && !abandoned) state_->handed = nullptr;
+    }
     bool await_ready() {
         state_->repost_held();
+        if (options_.stop.stop_requested()) {
+            stopped = true; // a requested stop wins over ready messages: they stay in the ring
+            return true;
+        }
         return state_->hand_out(*this);
     }
     void await_suspend(std::coroutine_handle<> h) {
