@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <new>
+#include <utility>
 
 namespace ringverbs {
 
@@ -216,7 +218,10 @@ void cm_channel_state::drain() noexcept {
                 hold = std::make_shared<cm_id_state>(listener->channel, ev->id);
                 hold->unanswered = true;
                 hold->request_data = std::move(data);
-                if (waiter* w = listener->accept_waiters.pop_front()) {
+                if (listener->on_request) {
+                    // Takes its share of the state; spawns, never resumes anything inline.
+                    listener->on_request(hold, 0);
+                } else if (waiter* w = listener->accept_waiters.pop_front()) {
                     static_cast<cm_accept_waiter*>(w)->taken = hold;
                     w->fulfil(0);
                 } else {
@@ -347,6 +352,13 @@ cm_id_state::~cm_id_state() {
 
 void cm_id_state::fail_all(int err) noexcept {
     error = err;
+    if (on_request) {
+        try {
+            std::exchange(on_request, nullptr)(nullptr, err);
+        } catch (...) {
+            // The handler's own failure: nothing more to tell it.
+        }
+    }
     while (waiter* w = step_waiters.pop_front())
         w->fulfil(err);
     while (waiter* w = accept_waiters.pop_front())
@@ -387,6 +399,7 @@ cm_id::cm_id(cm_channel& ch) {
 cm_id::~cm_id() {
     if (!state_) return;
     state_->closed = true;
+    state_->on_request = nullptr;
     while (detail::waiter* w = state_->step_waiters.pop_front())
         w->fulfil(ECANCELED);
     while (detail::waiter* w = state_->accept_waiters.pop_front())
@@ -449,6 +462,23 @@ verbs::context cm_id::device() const {
     // The list holds librdmacm's reference on its devices; the context shares it (aliasing).
     std::shared_ptr<ibv_context*> keep(list, rdma_free_devices);
     return verbs::context(std::shared_ptr<ibv_context>(keep, state_->id->verbs));
+}
+
+void cm_id::on_request(std::function<void(cm_id request, int error)> handler) {
+    if (!handler) {
+        state_->on_request = nullptr;
+        return;
+    }
+    state_->on_request = [h = std::move(handler)](std::shared_ptr<detail::cm_id_state> s,
+                                                  int error) {
+        h(s ? cm_id(std::move(s)) : cm_id(), error);
+    };
+    // Requests that came before go to the handler too, in order.
+    while (!state_->backlog.empty() && state_->on_request) {
+        std::shared_ptr<detail::cm_id_state> r = std::move(state_->backlog.front().id);
+        state_->backlog.pop_front();
+        state_->on_request(std::move(r), 0);
+    }
 }
 
 void cm_id::listen(const sockaddr* addr, int backlog) {

@@ -16,6 +16,8 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -346,14 +348,182 @@ task<connection> connect(io_context& io, std::string address, connection_options
     co_return connection(std::move(p));
 }
 
+// What the listener and its tasks (the one taking requests, one per handshake) share; each
+// task holds it, so it lives until the last of them ended.
 struct listener::state {
+    // An established connection, or the listener's own failure for a request (thrown by the
+    // accept() that takes it).
+    struct outcome {
+        connection made;
+        std::exception_ptr failure;
+    };
+
     io_context* io = nullptr;
     connection_options options;
     std::vector<std::byte> private_data;
     std::shared_ptr<cm_channel> events;
-    std::optional<cm_id> id; // reset by ~listener: its waiting accept()s end
+    std::optional<cm_id> id; // reset by ~listener: no more requests
     std::uint16_t port = 0;
+    std::deque<outcome> ready;    // for accept(), in the order the handshakes ended
+    detail::waiter_queue waiters; // accept()s waiting for `ready`
+    std::uint32_t handshakes = 0; // under way
+    std::stop_source stop;        // ends the handshakes under way (~listener)
+    bool gone = false;            // ~listener ran
+    int error = 0;                // the event channel failed: no more requests come
+    std::string failure;          // its text
+
+    // A connection or a failure for accept(): one waiting accept() is resumed for it.
+    void deliver(outcome o) {
+        ready.push_back(std::move(o));
+        if (detail::waiter* w = waiters.pop_front()) w->fulfil(0);
+    }
+    void wake_all(int err) noexcept {
+        while (detail::waiter* w = waiters.pop_front())
+            w->fulfil(err);
+    }
 };
+
+namespace {
+
+// co_await: until the listener has something for accept() (a connection, a failure) or ends.
+class listener_ready : detail::waiter {
+  public:
+    listener_ready(listener::state* s, const wait_options& w) : state_(s), options_(w) {}
+    listener_ready(const listener_ready&) = delete;
+    listener_ready& operator=(const listener_ready&) = delete;
+    bool await_ready() const noexcept {
+        return !state_->ready.empty() || state_->gone || state_->error != 0;
+    }
+    void await_suspend(std::coroutine_handle<> h) {
+        state_->waiters.push_back(this);
+        start(*state_->io, options_, h, &state_->waiters, &detail::waiter_queue::detach);
+    }
+    void await_resume() {
+        const int err = decided() ? error() : 0;
+        if (err != 0) throw_system_error(err, "listener::accept");
+    }
+
+  private:
+    listener::state* state_;
+    wait_options options_;
+};
+
+// What rdma_accept would refuse in the listener's own options, said before the request is
+// answered (a clearer message than the kernel's EINVAL, and never taken for the peer's fault).
+void check_accept_options(const listener::state& s, const verbs::context& device) {
+    const bool iwarp = device.native()->device->transport_type == IBV_TRANSPORT_IWARP;
+    const std::size_t room = iwarp ? 512 : 196; // MPA's limit; IB CM's REP
+    if (s.private_data.size() > room)
+        throw_system_error(EINVAL, "rdma_accept (connection_options::private_data is " +
+                                       std::to_string(s.private_data.size()) +
+                                       " bytes; an accept carries at most " + std::to_string(room) +
+                                       " on this transport)");
+    ibv_device_attr attr{};
+    if (const int rc = ibv_query_device(device.native(), &attr); rc != 0)
+        throw_system_error(rc, "ibv_query_device");
+    const cm_conn_options& c = s.options.conn;
+    if (c.initiator_depth > attr.max_qp_init_rd_atom || c.responder_resources > attr.max_qp_rd_atom)
+        throw_system_error(EINVAL,
+                           "rdma_accept (cm_conn_options: initiator_depth " +
+                               std::to_string(c.initiator_depth) + ", responder_resources " +
+                               std::to_string(c.responder_resources) + "; the device allows " +
+                               std::to_string(attr.max_qp_init_rd_atom) + " and " +
+                               std::to_string(attr.max_qp_rd_atom) + ")");
+}
+
+void reject_busy(listener::state& s, cm_id& request, const std::string& from, const char* why) {
+    const std::string text = std::string("busy: ") + why;
+    detail::diagnose("listener on port %u: the request from %s was rejected: %s",
+                     static_cast<unsigned>(s.port), from.c_str(), text.c_str());
+    try {
+        request.reject(std::as_bytes(std::span(text.data(), text.size())));
+    } catch (const std::exception& e) {
+        detail::diagnose("listener on port %u: %s", static_cast<unsigned>(s.port), e.what());
+    }
+}
+
+// One request's handshake: its CQ and qp, then rdma_accept until established (step_timeout).
+// Never throws: the connection or the listener's own failure goes to accept(), the peer's
+// failure to the diagnostics sink.
+task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::string from) {
+    auto p = std::make_unique<connection::parts>(s->events, std::move(request));
+    bool ours = true;
+    try {
+        p->peer_data.assign(p->id.request_data().begin(), p->id.request_data().end());
+        p->equip(*s->io, s->options);
+        check_accept_options(*s, p->device->device);
+        ours = false;
+        try {
+            co_await p->id.accept_connection(
+                s->private_data, wait_options(s->options.step_timeout, s->stop.get_token()),
+                s->options.conn);
+        } catch (...) {
+            // Refused before the answer went out: our options (the peer has not seen a REP).
+            ours = p->id.awaiting_answer();
+            throw;
+        }
+    } catch (const std::exception& e) {
+        --s->handshakes;
+        if (s->gone) co_return; // the request goes with p (rejected if unanswered)
+        if (ours) {
+            detail::diagnose("listener on port %u: the request from %s was rejected: %s",
+                             static_cast<unsigned>(s->port), from.c_str(), e.what());
+            try {
+                s->deliver({connection(nullptr), std::current_exception()});
+            } catch (...) {
+                // Out of memory: the failure is in the log.
+            }
+        } else {
+            detail::diagnose("listener on port %u: the connection from %s was dropped: %s",
+                             static_cast<unsigned>(s->port), from.c_str(), e.what());
+        }
+        co_return;
+    }
+    --s->handshakes;
+    if (s->gone) co_return; // nobody accepts it any more: ~connection disconnects
+    try {
+        s->deliver({connection(std::move(p)), nullptr});
+    } catch (const std::exception& e) {
+        detail::diagnose("listener on port %u: the connection from %s was dropped: %s",
+                         static_cast<unsigned>(s->port), from.c_str(), e.what());
+    }
+}
+
+// Each request of the listening id (cm_id::on_request, called from the loop as it is read):
+// its handshake starts at once, concurrently with the others, or it is rejected when the
+// bounds are reached. Not a task of its own, so an idle listener keeps no io_context::run()
+// from returning.
+void take_request(const std::shared_ptr<listener::state>& s, cm_id request, int error) {
+    if (error != 0) {
+        s->error = error;
+        s->failure =
+            std::string("the listening id failed: ") + std::system_category().message(error);
+        detail::diagnose("listener on port %u: no more requests: %s",
+                         static_cast<unsigned>(s->port), s->failure.c_str());
+        s->wake_all(error);
+        return;
+    }
+    const std::string from = detail::address_text(rdma_get_peer_addr(request.native()));
+    const connection_options& o = s->options;
+    if (s->handshakes >= o.max_handshakes) {
+        reject_busy(*s, request, from, "too many handshakes under way");
+        return;
+    }
+    if (s->ready.size() + s->handshakes >= o.accept_queue) {
+        reject_busy(*s, request, from, "too many connections not yet accepted");
+        return;
+    }
+    ++s->handshakes;
+    try {
+        s->io->spawn(handshake(s, std::move(request), from));
+    } catch (const std::exception& e) { // out of memory for its frame: rejected
+        --s->handshakes;
+        detail::diagnose("listener on port %u: the request from %s was rejected: %s",
+                         static_cast<unsigned>(s->port), from.c_str(), e.what());
+    }
+}
+
+} // namespace
 
 listener::listener(io_context& io, std::string_view address, connection_options options,
                    int backlog)
@@ -399,12 +569,18 @@ listener::listener(io_context& io, std::string_view address, connection_options 
         }
     }
     s.port = s.id->local_port();
+    s.id->on_request([weak = std::weak_ptr<state>(state_)](cm_id request, int error) {
+        if (auto locked = weak.lock()) take_request(locked, std::move(request), error);
+    });
 }
 
 listener::~listener() {
-    // Waiting accept()s resume with operation_canceled; one in a handshake finds the id gone
-    // when that ends (its frame shares this state).
-    state_->id.reset();
+    state& s = *state_;
+    s.gone = true;
+    s.id.reset();          // no more requests (its handler goes with it)
+    s.stop.request_stop(); // the handshakes under way end
+    s.wake_all(ECANCELED);
+    s.ready.clear(); // connections nobody took: disconnected
 }
 
 std::uint16_t listener::port() const noexcept {
@@ -417,30 +593,28 @@ cm_channel& listener::events() noexcept {
     return *state_->events;
 }
 
+std::uint32_t listener::handshakes() const noexcept {
+    return state_->handshakes;
+}
+std::uint32_t listener::waiting() const noexcept {
+    return static_cast<std::uint32_t>(state_->ready.size());
+}
+
 task<connection> listener::accept(wait_options w) {
     const std::shared_ptr<state> s = state_;
     for (;;) {
-        if (!s->id) throw_system_error(ECANCELED, "listener::accept (the listener is gone)");
-        cm_id request = co_await s->id->accept(w);
-        const std::string from = detail::address_text(rdma_get_peer_addr(request.native()));
-        auto p = std::make_unique<connection::parts>(s->events, std::move(request));
-        p->peer_data.assign(p->id.request_data().begin(), p->id.request_data().end());
-        // A failure here is ours (EMFILE, ENOMEM): it is thrown; the request, dropped with p,
-        // is rejected.
-        p->equip(*s->io, s->options);
-        bool established = false;
-        std::string why;
-        try {
-            co_await p->id.accept_connection(
-                s->private_data, wait_options(s->options.step_timeout, w.stop), s->options.conn);
-            established = true;
-        } catch (const std::system_error& e) {
-            if (w.stop.stop_requested()) throw;
-            why = e.what();
+        if (w.stop.stop_requested()) // wins over a ready connection: it stays for the next
+            throw_system_error(ECANCELED, "listener::accept");
+        if (!s->ready.empty()) {
+            state::outcome o = std::move(s->ready.front());
+            s->ready.pop_front();
+            if (o.failure) std::rethrow_exception(o.failure);
+            co_return std::move(o.made);
         }
-        if (established) co_return connection(std::move(p));
-        detail::diagnose("listener on port %u: the connection from %s was dropped: %s",
-                         static_cast<unsigned>(s->port), from.c_str(), why.c_str());
+        if (s->gone) throw_system_error(ECANCELED, "listener::accept (the listener is gone)");
+        if (s->error != 0) throw_system_error(s->error, "listener::accept (" + s->failure + ")");
+        // Resumed for an outcome another accept() may take first: then it waits again.
+        co_await listener_ready(s.get(), w);
     }
 }
 

@@ -4,7 +4,10 @@
 #include "rdma_fixture.hpp"
 
 #include <arpa/inet.h>
+#include <rdma/rdma_cma.h>
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <span>
@@ -46,5 +49,64 @@ inline std::vector<std::byte> bytes_of(const char* s) {
 inline bool starts_with(std::span<const std::byte> got, const std::vector<std::byte>& want) {
     return got.size() >= want.size() && std::memcmp(got.data(), want.data(), want.size()) == 0;
 }
+
+} // namespace rt
+
+namespace rt {
+
+// A peer that sends its connect request and then never reads another rdma_cm event: raw
+// librdmacm, no ringverbs. librdmacm sends the RTU while it processes CONNECT_RESPONSE inside
+// rdma_get_cm_event, so this peer's handshake never completes (as a SIGSTOPped client's).
+class silent_peer {
+  public:
+    silent_peer(const std::string& ip, std::uint16_t port) {
+        channel_ = rdma_create_event_channel();
+        if (channel_ == nullptr) throw std::system_error(errno, std::system_category(), "channel");
+        if (rdma_create_id(channel_, &id_, nullptr, RDMA_PS_TCP) != 0)
+            throw std::system_error(errno, std::system_category(), "rdma_create_id");
+        sockaddr_in to{};
+        to.sin_family = AF_INET;
+        to.sin_port = htons(port);
+        inet_pton(AF_INET, ip.c_str(), &to.sin_addr);
+        check(rdma_resolve_addr(id_, nullptr, reinterpret_cast<sockaddr*>(&to), 2000),
+              "rdma_resolve_addr");
+        expect(RDMA_CM_EVENT_ADDR_RESOLVED);
+        check(rdma_resolve_route(id_, 2000), "rdma_resolve_route");
+        expect(RDMA_CM_EVENT_ROUTE_RESOLVED);
+        ibv_qp_init_attr attr{}; // librdmacm's default PD and CQs of the device
+        attr.qp_type = IBV_QPT_RC;
+        attr.cap.max_send_wr = attr.cap.max_recv_wr = 4;
+        attr.cap.max_send_sge = attr.cap.max_recv_sge = 1;
+        check(rdma_create_qp(id_, nullptr, &attr), "rdma_create_qp");
+        rdma_conn_param p{};
+        p.responder_resources = p.initiator_depth = 1;
+        p.retry_count = 7;
+        p.rnr_retry_count = 7;
+        check(rdma_connect(id_, &p), "rdma_connect");
+    }
+    ~silent_peer() {
+        if (id_ != nullptr && id_->qp != nullptr) rdma_destroy_qp(id_);
+        if (id_ != nullptr) rdma_destroy_id(id_);
+        if (channel_ != nullptr) rdma_destroy_event_channel(channel_);
+    }
+    silent_peer(const silent_peer&) = delete;
+    silent_peer& operator=(const silent_peer&) = delete;
+
+  private:
+    static void check(int rc, const char* what) {
+        if (rc != 0) throw std::system_error(errno, std::system_category(), what);
+    }
+    void expect(rdma_cm_event_type want) {
+        rdma_cm_event* ev = nullptr;
+        check(rdma_get_cm_event(channel_, &ev), "rdma_get_cm_event");
+        const rdma_cm_event_type got = ev->event;
+        rdma_ack_cm_event(ev);
+        if (got != want)
+            throw std::system_error(EPROTO, std::system_category(),
+                                    std::string("silent_peer: ") + rdma_event_str(got));
+    }
+    rdma_event_channel* channel_ = nullptr;
+    rdma_cm_id* id_ = nullptr;
+};
 
 } // namespace rt

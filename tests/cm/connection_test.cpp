@@ -299,3 +299,90 @@ TEST_CASE("a listener destroyed while accept() waits: the accept ends with opera
     io.run(when_all(waiting(), destroyer()));
     CHECK(cancelled);
 }
+
+TEST_CASE("a peer that sends its request and never completes the handshake delays nobody: a "
+          "client after it connects within its own bound while that handshake is under way") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    silent_peer quiet(ip, l.port()); // its request is the first the listener takes
+    bool served = false;
+    auto run = [&]() -> task<void> {
+        connection_options o;
+        o.step_timeout = 8s; // about half the listener's 15 s bound of the silent handshake
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at, o));
+        co_await exchange(c, s, 21);
+        co_await exchange(s, c, 22);
+        served = true;
+        CHECK(l.handshakes() == 1); // the silent peer's, still waiting for its RTU
+    };
+    io.run(run());
+    CHECK(served);
+}
+
+TEST_CASE("requests beyond connection_options::max_handshakes are rejected at once with a "
+          "\"busy\" reason the client reads") {
+    const std::string ip = test_addr();
+    io_context io;
+    connection_options o;
+    o.max_handshakes = 1;
+    listener l(io, ip + ":0", o);
+    const std::string at = ip + ":" + std::to_string(l.port());
+    silent_peer quiet(ip, l.port()); // holds the one handshake
+    bool rejected = false;
+    auto run = [&]() -> task<void> {
+        try {
+            co_await connect(io, at);
+        } catch (const connection_rejected& e) {
+            MESSAGE(std::string(e.what()));
+            rejected = e.by_peer_application() && starts_with(e.private_data(), bytes_of("busy: "));
+        }
+    };
+    io.run(run());
+    CHECK(rejected);
+}
+
+TEST_CASE("the listener's own failures are thrown from accept() (EINVAL naming rdma_accept: "
+          "private data too long for an accept, initiator_depth above the device's); the "
+          "client is rejected, the listener stays usable") {
+    const std::string ip = test_addr();
+    const std::vector<std::byte> long_data(200, std::byte{7}); // an accept carries 196 on RoCE
+    for (int kind = 0; kind < 2; ++kind) {
+        CAPTURE(kind);
+        io_context io;
+        connection_options o;
+        if (kind == 0)
+            o.private_data = long_data;
+        else
+            o.conn.initiator_depth = 255;
+        listener l(io, ip + ":0", o);
+        const std::string at = ip + ":" + std::to_string(l.port());
+        int accept_errors = 0, client_rejected = 0;
+        auto server = [&]() -> task<void> {
+            for (int i = 0; i < 2; ++i) {
+                try {
+                    co_await l.accept(wait_options(20s));
+                    FAIL("accepted");
+                } catch (const std::system_error& e) {
+                    MESSAGE(std::string(e.what()));
+                    if (errc_of(e) == std::errc::invalid_argument &&
+                        contains(e.what(), "rdma_accept"))
+                        ++accept_errors;
+                }
+            }
+        };
+        auto client = [&]() -> task<void> {
+            for (int i = 0; i < 2; ++i) {
+                try {
+                    co_await connect(io, at);
+                } catch (const connection_rejected&) {
+                    ++client_rejected;
+                }
+            }
+        };
+        io.run(when_all(server(), client()));
+        CHECK(accept_errors == 2);
+        CHECK(client_rejected == 2);
+    }
+}

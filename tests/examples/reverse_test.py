@@ -27,6 +27,11 @@ def check(cond, what):
         failures.append(what)
 
 
+def rts_qps():
+    out = subprocess.run(["rdma", "res", "show", "qp"], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines() if "state RTS" in line)
+
+
 def start_server(port):
     p = subprocess.Popen([SERVER, f"{ADDR}:{port}"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
@@ -55,7 +60,13 @@ def main():
     # learns its connection ended.
     long = subprocess.Popen([CLIENT, at, "100000000"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    # Connected when both its QP and the server's are in RTS (restrack): a fixed sleep was too
+    # short for a loaded host under TCG.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and rts_qps() < 2 and long.poll() is None:
+        time.sleep(0.1)
+    check(rts_qps() >= 2, "the long client is connected when the signal comes")
+    time.sleep(0.5)
     check(long.poll() is None, "the long client is still running when the signal comes")
     t0 = time.monotonic()
     server.send_signal(signal.SIGTERM)

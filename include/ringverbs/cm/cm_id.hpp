@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -146,6 +147,14 @@ class cm_id {
     // "cm_id::accept" with timed_out, operation_canceled (stop_token, or the handle went), or
     // the channel's errno.
     accept_awaitable accept(wait_options options = {}) noexcept;
+    // A listener's requests to a handler instead of accept(): each request as a new cm_id
+    // (error 0), called on this id's thread from the loop, as the request is read (the
+    // handler must not block: start a task for the handshake). Once, when no more requests can
+    // come (the event channel failed, the device went), with an empty cm_id and that errno.
+    // A request the handler drops unanswered is rejected; one for which it throws too.
+    // Requests already in the backlog go to the handler at once. An empty handler goes back
+    // to accept(). Throws std::bad_alloc.
+    void on_request(std::function<void(cm_id request, int error)> handler);
     // The private data of the connection request (IB CM pads it with zeros to 56 bytes).
     std::span<const std::byte> request_data() const noexcept { return state_->request_data; }
 
@@ -181,6 +190,9 @@ class cm_id {
     // timed_out or operation_canceled.
     disconnect_awaitable disconnected(wait_options options = {}) noexcept;
     bool is_disconnected() const noexcept { return state_->disconnected; }
+    // True for an accepted request not answered yet: neither its rdma_accept nor a reject
+    // went out (an accept_connection() that failed before sending its answer leaves it so).
+    bool awaiting_answer() const noexcept { return state_->unanswered; }
     // Begins the disconnect of an established connection (rdma_disconnect: the QP goes to the
     // error state, the peer learns it) without waiting for it, once; for destructors. A failure
     // goes to the diagnostics sink.
@@ -204,6 +216,7 @@ class cm_id {
   private:
     friend struct detail::cm_channel_state;
     explicit cm_id(std::shared_ptr<detail::cm_id_state> s) noexcept : state_(std::move(s)) {}
+    cm_id() noexcept = default; // empty: for on_request's failure call
 
     enum class step { resolve_addr, resolve_route, connect, accept_connection };
     class step_wait;

@@ -62,10 +62,20 @@ struct connection_options {
     // receive capacity is raised to it when smaller.
     std::uint32_t receive_slots = 0;
     std::uint32_t receive_size = 4096;
-    // Sent with the connect request (connect()) or with the accept (listener), <= 56 bytes on
-    // RoCE. connect() reads it when the task runs: keep it alive until its co_await ends. A
-    // listener copies it.
+    // Sent with the connect request (connect(): <= 56 bytes on IB/RoCE) or with the accept
+    // (listener: <= 196 bytes on IB/RoCE, the REP's room). connect() reads it when the task
+    // runs: keep it alive until its co_await ends. A listener copies it. Too long: the call
+    // throws EINVAL (a listener from accept(), naming rdma_accept).
     std::span<const std::byte> private_data = {};
+    // Listener: requests whose handshake is under way at once (the qp made, the accept sent,
+    // the peer's RTU awaited, each bounded by step_timeout). Handshakes run concurrently, so a
+    // peer that never completes its own costs only one of these. A request beyond the bound is
+    // rejected at once with the private data "busy: too many handshakes under way".
+    std::uint32_t max_handshakes = 64;
+    // Listener: established connections accept() has not taken yet. While that many wait (or
+    // that many, handshakes included, are pending) a new request is rejected with "busy: too
+    // many connections not yet accepted".
+    std::uint32_t accept_queue = 128;
 };
 
 // One established, reliable connection and what it owns: its rdma_cm id, its qp, its CQ,
@@ -167,9 +177,18 @@ task<connection> connect(io_context& io, std::string address, connection_options
 // "host:port", ":port" (any address, IPv4 and IPv6), "0.0.0.0:port", "[::]:port"; port 0 picks
 // one (port() tells which). When listening on any address the device is known only at each
 // request: each connection gets the PD and channel of the device its request came on.
+//
+// From construction on, the listener takes every request itself (a task spawned on `io`, so
+// requests are answered whenever the loop runs, whether or not an accept() waits) and runs the
+// handshakes concurrently, at most connection_options::max_handshakes at once, each bounded by
+// step_timeout: a peer that sends its request and never completes the handshake delays nobody
+// else. Established connections wait for accept() in a queue of connection_options::
+// accept_queue; requests beyond either bound are rejected with a "busy: ..." reason (the peer
+// gets connection_rejected with it as private data), logged to the diagnostics sink.
+//
 // Owns its cm_channel; destroy before the io_context, on its thread. Destroying it ends the
-// accept()s waiting for a request (operation_canceled); one in the middle of a handshake ends
-// when that does.
+// accept()s waiting (operation_canceled), the handshakes under way (their requests are
+// dropped) and the connections not taken yet (disconnected).
 class listener {
   public:
     // rdma_getaddrinfo (numeric addresses only: no lookup blocks the thread here), then
@@ -182,19 +201,27 @@ class listener {
     listener(const listener&) = delete;
     listener& operator=(const listener&) = delete;
 
-    // co_await l.accept(): the next request made into an established connection (its qp made
-    // and rdma_accept done, bounded by options.step_timeout). A request whose handshake fails
-    // on the peer's side (it went away, timed out) is dropped and reported to the diagnostics
-    // sink, and accept() waits for the next one (`w`'s timeout then counts again). Throws
-    // std::system_error: "cm_id::accept" with timed_out / operation_canceled per `w` (or the
-    // channel's errno, or operation_canceled when the listener is destroyed); what making the
-    // CQ or qp throws (EMFILE, ENOMEM: that request is rejected, the listener stays usable).
+    // co_await l.accept(): the next established connection, in the order their handshakes
+    // ended. A request whose handshake fails on the peer's side (it went away, timed out,
+    // never sent its RTU within step_timeout) is dropped and reported to the diagnostics sink;
+    // accept() never sees it. Throws std::system_error: "listener::accept" with timed_out /
+    // operation_canceled per `w` (only this wait ends: handshakes go on), operation_canceled
+    // when the listener is destroyed, the channel's errno when the rdma_cm event channel
+    // failed; and the listener's own failures, once per request they failed (that request
+    // rejected, the listener stays usable): what making the CQ or qp throws (EMFILE, ENOMEM),
+    // or what rdma_accept / the QP's move to RTS refused in the options (EINVAL: private data
+    // too long, initiator_depth or responder_resources above the device's).
     task<connection> accept(wait_options w = {});
 
     // The port listened on, in host order.
     std::uint16_t port() const noexcept;
+    // The listening id and its event channel. The listener accepts on the id itself: do not
+    // call id().accept().
     cm_id& id() noexcept;
     cm_channel& events() noexcept;
+    // Handshakes under way now, and established connections waiting for accept().
+    std::uint32_t handshakes() const noexcept;
+    std::uint32_t waiting() const noexcept;
 
     struct state;
 

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -89,6 +90,9 @@ struct cm_id_state {
     // Listener: requests not yet accepted, and the accept() calls waiting for one.
     std::deque<request> backlog;
     waiter_queue accept_waiters;
+    // Listener: when set (cm_id::on_request), every request goes here instead of the backlog,
+    // and a failure of the id (error != 0 with a null state) once.
+    std::function<void(std::shared_ptr<cm_id_state>, int)> on_request;
     // disconnect() / disconnected() waiters; `disconnected` is sticky.
     waiter_queue disconnect_waiters;
     bool disconnected = false;
