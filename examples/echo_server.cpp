@@ -26,8 +26,10 @@
 // A connection that fails (the client vanished, sent more than --max-size, ...) or stays
 // silent for --idle-timeout seconds is closed and its resources released; the others go on.
 // Beyond --max-connections open connections, a request is rejected with the reason in the
-// reject's private data ("busy: ..."), before anything is allocated for it. SIGINT or SIGTERM
-// closes every connection and exits 0.
+// reject's private data ("busy: ..."), before anything is allocated for it. A request its thread
+// cannot set up for (the shared receive pool cannot be registered, e.g. under RLIMIT_MEMLOCK)
+// is rejected with the verb and errno ("server error: ..."); a later one tries again. SIGINT or
+// SIGTERM closes every connection and exits 0.
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
@@ -561,32 +563,36 @@ task<void> retire(worker& owner) {
 }
 
 // The worker's PD, completion channel and shared receives for `context`, made at its first
-// connection on that device (on the worker's thread).
+// connection on that device (on the worker's thread). Throws what a verb threw (e.g. ibv_reg_mr
+// ENOMEM under RLIMIT_MEMLOCK), having kept nothing: the next connection tries again.
 device_resources& resources_for(worker& owner, verbs::context context) {
-    auto& resources = owner.devices[context.native()];
-    if (!resources) {
-        const server_options& options = owner.server.options;
-        resources = std::make_unique<device_resources>(*owner.io, std::move(context), options.mode);
-        if (options.srq) {
-            // This thread's share of the buffers; every connection's sends (--depth each) and
-            // the shared receives on one CQ, within what the device allows.
-            const std::uint32_t depth =
-                std::max<std::uint32_t>(options.srq_depth / options.threads, 1);
-            ibv_device_attr attr{};
-            const int max_cqe =
-                ibv_query_device(resources->context.native(), &attr) == 0 ? attr.max_cqe : 4096;
-            const std::uint64_t want =
-                std::uint64_t{depth} +
-                std::uint64_t{options.depth} * std::max<std::uint32_t>(options.max_connections, 64);
-            const int entries = static_cast<int>(std::min<std::uint64_t>(want, max_cqe));
-            resources->shared =
-                std::make_unique<shared_receives>(*owner.io, resources->completion_channel,
-                                                  resources->pd, entries, depth, options.max_size);
-            for (std::uint32_t slot = 0; slot < depth; ++slot)
-                owner.io->spawn(shared_echo_loop(*resources, slot, options.max_size));
-        }
+    if (auto found = owner.devices.find(context.native()); found != owner.devices.end())
+        return *found->second;
+    const server_options& options = owner.server.options;
+    ibv_context* const native = context.native();
+    auto resources =
+        std::make_unique<device_resources>(*owner.io, std::move(context), options.mode);
+    std::uint32_t depth = 0;
+    if (options.srq) {
+        // This thread's share of the buffers; every connection's sends (--depth each) and
+        // the shared receives on one CQ, within what the device allows.
+        depth = std::max<std::uint32_t>(options.srq_depth / options.threads, 1);
+        ibv_device_attr attr{};
+        const int max_cqe =
+            ibv_query_device(resources->context.native(), &attr) == 0 ? attr.max_cqe : 4096;
+        const std::uint64_t want =
+            std::uint64_t{depth} +
+            std::uint64_t{options.depth} * std::max<std::uint32_t>(options.max_connections, 64);
+        const int entries = static_cast<int>(std::min<std::uint64_t>(want, max_cqe));
+        resources->shared =
+            std::make_unique<shared_receives>(*owner.io, resources->completion_channel,
+                                              resources->pd, entries, depth, options.max_size);
     }
-    return *resources;
+    // Kept only whole: kept without its shared receives, it would serve as --no-srq.
+    device_resources& made = *owner.devices.emplace(native, std::move(resources)).first->second;
+    for (std::uint32_t slot = 0; slot < depth; ++slot)
+        owner.io->spawn(shared_echo_loop(made, slot, options.max_size));
+    return made;
 }
 
 // The main thread logs each device's asynchronous events (one watch per device: the threads'
@@ -599,6 +605,27 @@ void watch_device(echo_server& server, const verbs::context& device) {
     }
 }
 
+// A request admitted to `owner` that it cannot serve: its resources for the device could not
+// be made (resources_for). Rejected with the reason, which the client prints, and logged; it is
+// no longer counted. The server goes on: a later request may find the resources it needs.
+void refuse(worker& owner, cm_id& request, const std::string& failure) {
+    const std::string why = "server error: " + failure;
+    const std::string thread = owner.server.options.threads > 1
+                                   ? " (thread " + std::to_string(owner.index) + ")"
+                                   : std::string();
+    std::printf("echo_server: request from %s rejected (%s)%s\n",
+                echo::text_of(rdma_get_peer_addr(request.native())).c_str(), why.c_str(),
+                thread.c_str());
+    std::fflush(stdout);
+    try {
+        request.reject(echo::reject_data(why));
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
+    }
+    --owner.server.open;
+    --owner.open;
+}
+
 // On the worker's thread: adopts the ids the accept loop migrated to it and serves them.
 void adopt_handed_over(worker& owner) {
     std::vector<worker::handoff> taken;
@@ -607,15 +634,20 @@ void adopt_handed_over(worker& owner) {
         taken.swap(owner.inbox);
     }
     for (worker::handoff& h : taken) {
+        std::optional<cm_id> id;
         try {
-            cm_id id(*owner.cm, std::move(h.id));
-            verbs::context device = id.device();
-            owner.io->spawn(
-                serve(owner, resources_for(owner, std::move(device)), std::move(id), h.number));
+            id.emplace(*owner.cm, std::move(h.id));
         } catch (const std::exception& e) {
             std::fprintf(stderr, "echo_server: connection %d: %s\n", h.number, e.what());
             --owner.server.open;
             --owner.open;
+            continue;
+        }
+        try {
+            device_resources& device = resources_for(owner, id->device());
+            owner.io->spawn(serve(owner, device, std::move(*id), h.number));
+        } catch (const std::exception& e) {
+            refuse(owner, *id, e.what());
         }
     }
 }
@@ -629,8 +661,12 @@ void admit(echo_server& server, cm_id request, verbs::context device, int number
     ++server.open;
     ++least->open;
     if (least->index == 0) {
-        server.io.spawn(
-            serve(*least, resources_for(*least, std::move(device)), std::move(request), number));
+        try {
+            device_resources& resources = resources_for(*least, std::move(device));
+            server.io.spawn(serve(*least, resources, std::move(request), number));
+        } catch (const std::exception& e) {
+            refuse(*least, request, e.what());
+        }
         return;
     }
     try {
@@ -648,6 +684,36 @@ void admit(echo_server& server, cm_id request, verbs::context device, int number
     }
 }
 
+// Answers one request, without suspending: rejected when it came on another device than
+// --device, or when --max-connections are open; else admitted as connection `number`. Returns
+// whether it was admitted.
+bool answer(echo_server& server, cm_id request, int number) {
+    const std::uint32_t limit = server.options.max_connections;
+    verbs::context device = request.device();
+    if (!server.options.device.empty() && device.name() != server.options.device) {
+        request.reject(echo::reject_data("not served on device " + std::string(device.name())));
+        return false;
+    }
+    if (limit != 0 && server.open.load() >= static_cast<int>(limit)) {
+        const std::string why =
+            "busy: " + std::to_string(limit) + " connections, the server's limit";
+        ++server.rejected;
+        std::printf("echo_server: request from %s rejected (%s; --max-connections %u)\n",
+                    echo::text_of(rdma_get_peer_addr(request.native())).c_str(), why.c_str(),
+                    limit);
+        std::fflush(stdout);
+        try {
+            request.reject(echo::reject_data(why));
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
+        }
+        return false;
+    }
+    watch_device(server, device);
+    admit(server, std::move(request), std::move(device), number);
+    return true;
+}
+
 // The accept backlog stays bounded. The kernel holds at most the listen backlog (128, given to
 // rdma_listen) of requests that this process has not read yet, and refuses the rest. The
 // runtime's cm channel reads every pending event at once into the listener's queue, from
@@ -655,11 +721,11 @@ void admit(echo_server& server, cm_id request, verbs::context device, int number
 // (reject, resources_for and spawn do not suspend), so that queue holds at most one read's
 // worth. A request is answered at once: admitted (its connection is spawned, and counted in
 // server.open until its resources are released), or rejected when --max-connections are open.
-// The request goes to the thread serving the fewest connections (admit).
+// The request goes to the thread serving the fewest connections (admit), which rejects it with
+// the reason if it cannot make its resources for the device (refuse).
 // Nothing waits in a queue of ours for a connection to close.
 task<void> accept_loop(echo_server& server, cm_id& listener) {
-    const std::uint32_t limit = server.options.max_connections;
-    for (int number = 1;; ++number) {
+    for (int number = 1;;) {
         std::optional<cm_id> request;
         try {
             request.emplace(co_await listener.accept(wait_options(server.stopping.get_token())));
@@ -673,30 +739,14 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
         // The stop won the race with this accept: nothing more is admitted (a worker may
         // have ended already). Dropping the request rejects it.
         if (server.stopping.stop_requested()) co_return;
-        verbs::context device = request->device();
-        if (!server.options.device.empty() && device.name() != server.options.device) {
-            request->reject(
-                echo::reject_data("not served on device " + std::string(device.name())));
-            continue;
+        // A failure here is this request's alone (dropped, it is rejected): the loop goes on.
+        const std::string peer = echo::text_of(rdma_get_peer_addr(request->native()));
+        try {
+            if (answer(server, std::move(*request), number)) ++number;
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: request from %s dropped: %s\n", peer.c_str(),
+                         e.what());
         }
-        if (limit != 0 && server.open.load() >= static_cast<int>(limit)) {
-            const std::string why =
-                "busy: " + std::to_string(limit) + " connections, the server's limit";
-            ++server.rejected;
-            std::printf("echo_server: request from %s rejected (%s; --max-connections %u)\n",
-                        echo::text_of(rdma_get_peer_addr(request->native())).c_str(), why.c_str(),
-                        limit);
-            std::fflush(stdout);
-            try {
-                request->reject(echo::reject_data(why));
-            } catch (const std::exception& e) {
-                std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
-            }
-            --number;
-            continue;
-        }
-        watch_device(server, device);
-        admit(server, std::move(*request), std::move(device), number);
     }
 }
 
