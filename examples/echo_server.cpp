@@ -158,14 +158,17 @@ struct worker {
 // workers, the stop that SIGINT/SIGTERM requests, and the counts for the log.
 struct echo_server {
     echo_server(io_context& io, server_options options) : io(io), options(std::move(options)) {}
+    // Never with a thread still running (std::terminate): stops the server and waits for them.
+    ~echo_server();
     io_context& io;
     server_options options;
     cm_channel cm{io};
     std::map<ibv_context*, std::unique_ptr<device_events>> device_watches;
     std::vector<std::unique_ptr<worker>> workers;
     std::stop_source stopping;
-    std::atomic<int> open{0};   // connections admitted whose resources are not yet freed
-    std::uint64_t rejected = 0; // requests rejected as over --max-connections
+    std::atomic<int> open{0};        // connections admitted whose resources are not yet freed
+    std::uint64_t rejected = 0;      // requests rejected as over --max-connections
+    std::atomic<bool> failed{false}; // an exception escaped a task (run_to_end): exit 1
 };
 
 // How a connection ended, for its log line.
@@ -847,32 +850,50 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     return listener;
 }
 
+// Runs a thread's io_context until its work is done: at the server's end, once every connection
+// is closed and every task has ended. An exception escaping a task (none should: a request's or
+// a connection's failure is handled where it happens) is logged and stops the server, which
+// still ends in order: leaving run() for good would destroy the tasks' objects (CQs, channels,
+// SRQ states) after their io_context, or while their coroutines are still suspended.
+void run_to_end(echo_server& server, io_context& io, int thread) {
+    for (;;) {
+        try {
+            io.run();
+            return;
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: thread %d: %s; stopping\n", thread, e.what());
+        } catch (...) {
+            std::fprintf(stderr, "echo_server: thread %d: unknown exception; stopping\n", thread);
+        }
+        server.failed = true;
+        server.stopping.request_stop();
+    }
+}
+
 // Starts workers 1..N-1, each on its own thread with its own io_context and rdma_cm channel,
 // running until the server's end (retire). Returns once every one is ready to take
-// connections. Throws what a worker's setup threw.
+// connections. Throws what a worker's setup threw (~echo_server joins the others).
 void start_workers(echo_server& server) {
     for (std::uint32_t i = 1; i < server.options.threads; ++i) {
         auto w = std::make_unique<worker>(server, static_cast<int>(i));
         std::promise<void> ready;
         std::future<void> started = ready.get_future();
         w->thread = std::thread([&owner = *w, &ready] {
+            std::optional<io_context> io;
+            std::optional<cm_channel> cm;
             try {
-                io_context io;
-                cm_channel cm(io);
-                owner.io = &io;
-                owner.cm = &cm;
-                io.spawn(retire(owner));
-                ready.set_value();
-                io.run();
-                owner.devices.clear(); // on this thread, before its channel and ring go
-            } catch (const std::exception& e) {
-                try {
-                    ready.set_exception(std::current_exception());
-                } catch (const std::future_error&) {
-                    // already running: report and leave
-                    std::fprintf(stderr, "echo_server: thread %d: %s\n", owner.index, e.what());
-                }
+                io.emplace();
+                cm.emplace(*io);
+                owner.io = &*io;
+                owner.cm = &*cm;
+                io->spawn(retire(owner));
+            } catch (...) {
+                ready.set_exception(std::current_exception());
+                return;
             }
+            ready.set_value(); // (`ready` is gone once the main thread goes on)
+            run_to_end(owner.server, *io, owner.index);
+            owner.devices.clear(); // on this thread, before its channel and ring go
         });
         server.workers.push_back(std::move(w));
         started.get();
@@ -883,6 +904,11 @@ void start_workers(echo_server& server) {
 void join_workers(echo_server& server) {
     for (auto& w : server.workers)
         if (w->thread.joinable()) w->thread.join();
+}
+
+echo_server::~echo_server() {
+    stopping.request_stop();
+    join_workers(*this);
 }
 
 } // namespace
@@ -901,20 +927,23 @@ int main(int argc, char** argv) {
         server.workers.push_back(std::make_unique<worker>(server, 0));
         server.workers.front()->io = &io;
         server.workers.front()->cm = &server.cm;
-        cm_id listener = listen_on(server, address);
+        // From here on, a failure to start still lets the main thread's tasks end (the device
+        // watch, the shared receive loops: retire drops their queue) before their objects go.
+        io.spawn(retire(*server.workers.front()));
+        std::optional<cm_id> listener;
         try {
+            listener.emplace(listen_on(server, address));
             start_workers(server);
         } catch (...) {
             server.stopping.request_stop();
-            join_workers(server);
+            run_to_end(server, io, 0);
             throw;
         }
         io.spawn(watch_signals(server, signals));
-        io.spawn(accept_loop(server, listener));
-        io.spawn(retire(*server.workers.front()));
+        io.spawn(accept_loop(server, *listener));
         // Until a signal: the accept loop, then every connection, then the signal watch end;
         // then the other threads, once their connections are gone.
-        io.run();
+        run_to_end(server, io, 0);
         join_workers(server);
         int served = 0;
         std::uint64_t messages = 0, bytes = 0;
@@ -929,7 +958,7 @@ int main(int argc, char** argv) {
             served, static_cast<unsigned long long>(messages),
             static_cast<unsigned long long>(bytes),
             static_cast<unsigned long long>(server.rejected));
-        return 0;
+        return server.failed ? 1 : 0;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "echo_server: %s\n", e.what());
         return 1;
