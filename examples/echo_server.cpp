@@ -26,8 +26,10 @@
 // A connection that fails (the client vanished, sent more than --max-size, ...) or stays
 // silent for --idle-timeout seconds is closed and its resources released; the others go on.
 // Beyond --max-connections open connections, a request is rejected with the reason in the
-// reject's private data ("busy: ..."), before anything is allocated for it. SIGINT or SIGTERM
-// closes every connection and exits 0.
+// reject's private data ("busy: ..."), before anything is allocated for it. A request its thread
+// cannot set up for (the shared receive pool cannot be registered, e.g. under RLIMIT_MEMLOCK)
+// is rejected with the verb and errno ("server error: ..."); a later one tries again. SIGINT or
+// SIGTERM closes every connection and exits 0.
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
@@ -156,14 +158,17 @@ struct worker {
 // workers, the stop that SIGINT/SIGTERM requests, and the counts for the log.
 struct echo_server {
     echo_server(io_context& io, server_options options) : io(io), options(std::move(options)) {}
+    // Never with a thread still running (std::terminate): stops the server and waits for them.
+    ~echo_server();
     io_context& io;
     server_options options;
     cm_channel cm{io};
     std::map<ibv_context*, std::unique_ptr<device_events>> device_watches;
     std::vector<std::unique_ptr<worker>> workers;
     std::stop_source stopping;
-    std::atomic<int> open{0};   // connections admitted whose resources are not yet freed
-    std::uint64_t rejected = 0; // requests rejected as over --max-connections
+    std::atomic<int> open{0};        // connections admitted whose resources are not yet freed
+    std::uint64_t rejected = 0;      // requests rejected as over --max-connections
+    std::atomic<bool> failed{false}; // an exception escaped a task (run_to_end): exit 1
 };
 
 // How a connection ended, for its log line.
@@ -561,32 +566,36 @@ task<void> retire(worker& owner) {
 }
 
 // The worker's PD, completion channel and shared receives for `context`, made at its first
-// connection on that device (on the worker's thread).
+// connection on that device (on the worker's thread). Throws what a verb threw (e.g. ibv_reg_mr
+// ENOMEM under RLIMIT_MEMLOCK), having kept nothing: the next connection tries again.
 device_resources& resources_for(worker& owner, verbs::context context) {
-    auto& resources = owner.devices[context.native()];
-    if (!resources) {
-        const server_options& options = owner.server.options;
-        resources = std::make_unique<device_resources>(*owner.io, std::move(context), options.mode);
-        if (options.srq) {
-            // This thread's share of the buffers; every connection's sends (--depth each) and
-            // the shared receives on one CQ, within what the device allows.
-            const std::uint32_t depth =
-                std::max<std::uint32_t>(options.srq_depth / options.threads, 1);
-            ibv_device_attr attr{};
-            const int max_cqe =
-                ibv_query_device(resources->context.native(), &attr) == 0 ? attr.max_cqe : 4096;
-            const std::uint64_t want =
-                std::uint64_t{depth} +
-                std::uint64_t{options.depth} * std::max<std::uint32_t>(options.max_connections, 64);
-            const int entries = static_cast<int>(std::min<std::uint64_t>(want, max_cqe));
-            resources->shared =
-                std::make_unique<shared_receives>(*owner.io, resources->completion_channel,
-                                                  resources->pd, entries, depth, options.max_size);
-            for (std::uint32_t slot = 0; slot < depth; ++slot)
-                owner.io->spawn(shared_echo_loop(*resources, slot, options.max_size));
-        }
+    if (auto found = owner.devices.find(context.native()); found != owner.devices.end())
+        return *found->second;
+    const server_options& options = owner.server.options;
+    ibv_context* const native = context.native();
+    auto resources =
+        std::make_unique<device_resources>(*owner.io, std::move(context), options.mode);
+    std::uint32_t depth = 0;
+    if (options.srq) {
+        // This thread's share of the buffers; every connection's sends (--depth each) and
+        // the shared receives on one CQ, within what the device allows.
+        depth = std::max<std::uint32_t>(options.srq_depth / options.threads, 1);
+        ibv_device_attr attr{};
+        const int max_cqe =
+            ibv_query_device(resources->context.native(), &attr) == 0 ? attr.max_cqe : 4096;
+        const std::uint64_t want =
+            std::uint64_t{depth} +
+            std::uint64_t{options.depth} * std::max<std::uint32_t>(options.max_connections, 64);
+        const int entries = static_cast<int>(std::min<std::uint64_t>(want, max_cqe));
+        resources->shared =
+            std::make_unique<shared_receives>(*owner.io, resources->completion_channel,
+                                              resources->pd, entries, depth, options.max_size);
     }
-    return *resources;
+    // Kept only whole: kept without its shared receives, it would serve as --no-srq.
+    device_resources& made = *owner.devices.emplace(native, std::move(resources)).first->second;
+    for (std::uint32_t slot = 0; slot < depth; ++slot)
+        owner.io->spawn(shared_echo_loop(made, slot, options.max_size));
+    return made;
 }
 
 // The main thread logs each device's asynchronous events (one watch per device: the threads'
@@ -599,6 +608,27 @@ void watch_device(echo_server& server, const verbs::context& device) {
     }
 }
 
+// A request admitted to `owner` that it cannot serve: its resources for the device could not
+// be made (resources_for). Rejected with the reason, which the client prints, and logged; it is
+// no longer counted. The server goes on: a later request may find the resources it needs.
+void refuse(worker& owner, cm_id& request, const std::string& failure) {
+    const std::string why = "server error: " + failure;
+    const std::string thread = owner.server.options.threads > 1
+                                   ? " (thread " + std::to_string(owner.index) + ")"
+                                   : std::string();
+    std::printf("echo_server: request from %s rejected (%s)%s\n",
+                echo::text_of(rdma_get_peer_addr(request.native())).c_str(), why.c_str(),
+                thread.c_str());
+    std::fflush(stdout);
+    try {
+        request.reject(echo::reject_data(why));
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
+    }
+    --owner.server.open;
+    --owner.open;
+}
+
 // On the worker's thread: adopts the ids the accept loop migrated to it and serves them.
 void adopt_handed_over(worker& owner) {
     std::vector<worker::handoff> taken;
@@ -607,15 +637,20 @@ void adopt_handed_over(worker& owner) {
         taken.swap(owner.inbox);
     }
     for (worker::handoff& h : taken) {
+        std::optional<cm_id> id;
         try {
-            cm_id id(*owner.cm, std::move(h.id));
-            verbs::context device = id.device();
-            owner.io->spawn(
-                serve(owner, resources_for(owner, std::move(device)), std::move(id), h.number));
+            id.emplace(*owner.cm, std::move(h.id));
         } catch (const std::exception& e) {
             std::fprintf(stderr, "echo_server: connection %d: %s\n", h.number, e.what());
             --owner.server.open;
             --owner.open;
+            continue;
+        }
+        try {
+            device_resources& device = resources_for(owner, id->device());
+            owner.io->spawn(serve(owner, device, std::move(*id), h.number));
+        } catch (const std::exception& e) {
+            refuse(owner, *id, e.what());
         }
     }
 }
@@ -629,8 +664,12 @@ void admit(echo_server& server, cm_id request, verbs::context device, int number
     ++server.open;
     ++least->open;
     if (least->index == 0) {
-        server.io.spawn(
-            serve(*least, resources_for(*least, std::move(device)), std::move(request), number));
+        try {
+            device_resources& resources = resources_for(*least, std::move(device));
+            server.io.spawn(serve(*least, resources, std::move(request), number));
+        } catch (const std::exception& e) {
+            refuse(*least, request, e.what());
+        }
         return;
     }
     try {
@@ -648,6 +687,36 @@ void admit(echo_server& server, cm_id request, verbs::context device, int number
     }
 }
 
+// Answers one request, without suspending: rejected when it came on another device than
+// --device, or when --max-connections are open; else admitted as connection `number`. Returns
+// whether it was admitted.
+bool answer(echo_server& server, cm_id request, int number) {
+    const std::uint32_t limit = server.options.max_connections;
+    verbs::context device = request.device();
+    if (!server.options.device.empty() && device.name() != server.options.device) {
+        request.reject(echo::reject_data("not served on device " + std::string(device.name())));
+        return false;
+    }
+    if (limit != 0 && server.open.load() >= static_cast<int>(limit)) {
+        const std::string why =
+            "busy: " + std::to_string(limit) + " connections, the server's limit";
+        ++server.rejected;
+        std::printf("echo_server: request from %s rejected (%s; --max-connections %u)\n",
+                    echo::text_of(rdma_get_peer_addr(request.native())).c_str(), why.c_str(),
+                    limit);
+        std::fflush(stdout);
+        try {
+            request.reject(echo::reject_data(why));
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
+        }
+        return false;
+    }
+    watch_device(server, device);
+    admit(server, std::move(request), std::move(device), number);
+    return true;
+}
+
 // The accept backlog stays bounded. The kernel holds at most the listen backlog (128, given to
 // rdma_listen) of requests that this process has not read yet, and refuses the rest. The
 // runtime's cm channel reads every pending event at once into the listener's queue, from
@@ -655,11 +724,11 @@ void admit(echo_server& server, cm_id request, verbs::context device, int number
 // (reject, resources_for and spawn do not suspend), so that queue holds at most one read's
 // worth. A request is answered at once: admitted (its connection is spawned, and counted in
 // server.open until its resources are released), or rejected when --max-connections are open.
-// The request goes to the thread serving the fewest connections (admit).
+// The request goes to the thread serving the fewest connections (admit), which rejects it with
+// the reason if it cannot make its resources for the device (refuse).
 // Nothing waits in a queue of ours for a connection to close.
 task<void> accept_loop(echo_server& server, cm_id& listener) {
-    const std::uint32_t limit = server.options.max_connections;
-    for (int number = 1;; ++number) {
+    for (int number = 1;;) {
         std::optional<cm_id> request;
         try {
             request.emplace(co_await listener.accept(wait_options(server.stopping.get_token())));
@@ -673,30 +742,14 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
         // The stop won the race with this accept: nothing more is admitted (a worker may
         // have ended already). Dropping the request rejects it.
         if (server.stopping.stop_requested()) co_return;
-        verbs::context device = request->device();
-        if (!server.options.device.empty() && device.name() != server.options.device) {
-            request->reject(
-                echo::reject_data("not served on device " + std::string(device.name())));
-            continue;
+        // A failure here is this request's alone (dropped, it is rejected): the loop goes on.
+        const std::string peer = echo::text_of(rdma_get_peer_addr(request->native()));
+        try {
+            if (answer(server, std::move(*request), number)) ++number;
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: request from %s dropped: %s\n", peer.c_str(),
+                         e.what());
         }
-        if (limit != 0 && server.open.load() >= static_cast<int>(limit)) {
-            const std::string why =
-                "busy: " + std::to_string(limit) + " connections, the server's limit";
-            ++server.rejected;
-            std::printf("echo_server: request from %s rejected (%s; --max-connections %u)\n",
-                        echo::text_of(rdma_get_peer_addr(request->native())).c_str(), why.c_str(),
-                        limit);
-            std::fflush(stdout);
-            try {
-                request->reject(echo::reject_data(why));
-            } catch (const std::exception& e) {
-                std::fprintf(stderr, "echo_server: %s\n", e.what()); // the request goes anyway
-            }
-            --number;
-            continue;
-        }
-        watch_device(server, device);
-        admit(server, std::move(*request), std::move(device), number);
     }
 }
 
@@ -797,32 +850,50 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     return listener;
 }
 
+// Runs a thread's io_context until its work is done: at the server's end, once every connection
+// is closed and every task has ended. An exception escaping a task (none should: a request's or
+// a connection's failure is handled where it happens) is logged and stops the server, which
+// still ends in order: leaving run() for good would destroy the tasks' objects (CQs, channels,
+// SRQ states) after their io_context, or while their coroutines are still suspended.
+void run_to_end(echo_server& server, io_context& io, int thread) {
+    for (;;) {
+        try {
+            io.run();
+            return;
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "echo_server: thread %d: %s; stopping\n", thread, e.what());
+        } catch (...) {
+            std::fprintf(stderr, "echo_server: thread %d: unknown exception; stopping\n", thread);
+        }
+        server.failed = true;
+        server.stopping.request_stop();
+    }
+}
+
 // Starts workers 1..N-1, each on its own thread with its own io_context and rdma_cm channel,
 // running until the server's end (retire). Returns once every one is ready to take
-// connections. Throws what a worker's setup threw.
+// connections. Throws what a worker's setup threw (~echo_server joins the others).
 void start_workers(echo_server& server) {
     for (std::uint32_t i = 1; i < server.options.threads; ++i) {
         auto w = std::make_unique<worker>(server, static_cast<int>(i));
         std::promise<void> ready;
         std::future<void> started = ready.get_future();
         w->thread = std::thread([&owner = *w, &ready] {
+            std::optional<io_context> io;
+            std::optional<cm_channel> cm;
             try {
-                io_context io;
-                cm_channel cm(io);
-                owner.io = &io;
-                owner.cm = &cm;
-                io.spawn(retire(owner));
-                ready.set_value();
-                io.run();
-                owner.devices.clear(); // on this thread, before its channel and ring go
-            } catch (const std::exception& e) {
-                try {
-                    ready.set_exception(std::current_exception());
-                } catch (const std::future_error&) {
-                    // already running: report and leave
-                    std::fprintf(stderr, "echo_server: thread %d: %s\n", owner.index, e.what());
-                }
+                io.emplace();
+                cm.emplace(*io);
+                owner.io = &*io;
+                owner.cm = &*cm;
+                io->spawn(retire(owner));
+            } catch (...) {
+                ready.set_exception(std::current_exception());
+                return;
             }
+            ready.set_value(); // (`ready` is gone once the main thread goes on)
+            run_to_end(owner.server, *io, owner.index);
+            owner.devices.clear(); // on this thread, before its channel and ring go
         });
         server.workers.push_back(std::move(w));
         started.get();
@@ -833,6 +904,11 @@ void start_workers(echo_server& server) {
 void join_workers(echo_server& server) {
     for (auto& w : server.workers)
         if (w->thread.joinable()) w->thread.join();
+}
+
+echo_server::~echo_server() {
+    stopping.request_stop();
+    join_workers(*this);
 }
 
 } // namespace
@@ -851,20 +927,23 @@ int main(int argc, char** argv) {
         server.workers.push_back(std::make_unique<worker>(server, 0));
         server.workers.front()->io = &io;
         server.workers.front()->cm = &server.cm;
-        cm_id listener = listen_on(server, address);
+        // From here on, a failure to start still lets the main thread's tasks end (the device
+        // watch, the shared receive loops: retire drops their queue) before their objects go.
+        io.spawn(retire(*server.workers.front()));
+        std::optional<cm_id> listener;
         try {
+            listener.emplace(listen_on(server, address));
             start_workers(server);
         } catch (...) {
             server.stopping.request_stop();
-            join_workers(server);
+            run_to_end(server, io, 0);
             throw;
         }
         io.spawn(watch_signals(server, signals));
-        io.spawn(accept_loop(server, listener));
-        io.spawn(retire(*server.workers.front()));
+        io.spawn(accept_loop(server, *listener));
         // Until a signal: the accept loop, then every connection, then the signal watch end;
         // then the other threads, once their connections are gone.
-        io.run();
+        run_to_end(server, io, 0);
         join_workers(server);
         int served = 0;
         std::uint64_t messages = 0, bytes = 0;
@@ -879,7 +958,7 @@ int main(int argc, char** argv) {
             served, static_cast<unsigned long long>(messages),
             static_cast<unsigned long long>(bytes),
             static_cast<unsigned long long>(server.rejected));
-        return 0;
+        return server.failed ? 1 : 0;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "echo_server: %s\n", e.what());
         return 1;

@@ -13,6 +13,7 @@ tool (the kernel's restrack, per pid), its fds in /proc/PID/fd.
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -41,10 +42,11 @@ def have_device():
 
 
 class Server:
-    def __init__(self, port, *args):
+    def __init__(self, port, *args, address=None, wrapper=()):
+        """`wrapper`: a command line the server runs under (e.g. prlimit), which execs it."""
         self.log = os.path.join(TMP, f"server.{port}.log")
         self.port = port
-        self.proc = subprocess.Popen([SERVER, "--address", ADDR, "--port", str(port), *args],
+        self.proc = subprocess.Popen([*wrapper, SERVER, "--address", address or ADDR, "--port", str(port), *args],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         self.wait_for("listening on", 20)
 
@@ -543,6 +545,80 @@ def case_rnr_peer():
         check(s.stop() == 0, "server exit status")
 
 
+def memlock_limited(limit):
+    """A wrapper (for Server) that runs the server under RLIMIT_MEMLOCK `limit` bytes, without
+    CAP_IPC_LOCK: as root (in the VM) the kernel would let it pin any amount of memory."""
+    return ["prlimit", f"--memlock={limit}", "setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]
+
+
+def set_memlock(s, limit):
+    """Raises the running server's RLIMIT_MEMLOCK (from outside: prlimit(2), as root)."""
+    resource.prlimit(s.proc.pid, resource.RLIMIT_MEMLOCK, (limit, limit))
+
+
+def check_rejected_for_memory(s, count):
+    """One client whose connection the server cannot set up (its SRQ pool's ibv_reg_mr fails with
+    ENOMEM): rejected with the reason, logged (`count` such lines by now), the server goes on."""
+    rc, out, err = client(s.port, "--count", "10", "--connect-attempts", "1")
+    print(err, end="")
+    check(rc == 1 and re.search(r"the server rejected the connection: [^\n]*ibv_reg_mr[^\n]*Cannot allocate memory",
+                                err), f"the client is told why ({rc}):\n{out}{err}")
+    s.wait_for(r"request from \S+ rejected \([^\n]*ibv_reg_mr[^\n]*Cannot allocate memory", 30, count=count)
+    check(s.proc.poll() is None, f"the server exited ({s.proc.returncode}):\n{s.text()}")
+
+
+def case_setup_failure():
+    """The first client's set-up fails for real: on 0.0.0.0 nothing is made before it, and its
+    thread's shared receive pool (16 MiB) cannot be registered under a 1 MiB RLIMIT_MEMLOCK
+    (ENOMEM). Each such request is rejected with the verb and errno, the server goes on, serves
+    the next client once the limit is raised, and exits 0 on SIGTERM."""
+    # Bound to the device's address, it makes that pool before it announces it listens: it cannot start.
+    r = subprocess.run([*memlock_limited(1 << 20), SERVER, "--address", ADDR, "--port", "19017"], capture_output=True,
+                       text=True, timeout=60)
+    print(r.stderr, end="")
+    check(r.returncode == 1 and re.search(r"ibv_reg_mr[^\n]*Cannot allocate memory", r.stderr),
+          f"bound to {ADDR}, the server exits 1 naming the verb ({r.returncode}):\n{r.stdout}{r.stderr}")
+    s = Server(19017, address="0.0.0.0", wrapper=memlock_limited(1 << 20))
+    try:
+        check_rejected_for_memory(s, 1)
+        check_rejected_for_memory(s, 2)  # nothing half-made was kept from the first
+        set_memlock(s, resource.RLIM_INFINITY)
+        rc, out, err = client(s.port, "--count", "100")
+        check(rc == 0 and verified(out)[0] == 100, f"served once the limit allows:\n{out}{err}")
+    finally:
+        status = s.stop()
+        check(status == 0, f"server exit status {status}:\n{s.text()}")
+    check("terminate" not in s.text(), f"std::terminate:\n{s.text()}")
+    print(next(l for l in s.text().splitlines() if "rejected (server error" in l))
+
+
+def case_setup_failure_threads():
+    """--threads 2 (8 MiB of pool each): under 1 MiB of RLIMIT_MEMLOCK thread 0 cannot set up the
+    first clients; under 12 MiB thread 0 can and thread 1 cannot. Each such request is rejected
+    with the reason and the server goes on; unlimited, thread 1 serves; SIGTERM exits 0."""
+    s = Server(19018, "--threads", "2", address="0.0.0.0", wrapper=memlock_limited(1 << 20))
+    try:
+        check_rejected_for_memory(s, 1)  # thread 0
+        check_rejected_for_memory(s, 2)  # thread 0 again: both serve no connection
+        set_memlock(s, 12 << 20)
+        held = start_client(s.port, "--count", "100000000", "--inflight", "2")
+        wait_until(lambda: s.rdma_objects("qp") == 1, 30, lambda: f"held client connected:\n{text_of(held)}")
+        check_rejected_for_memory(s, 3)  # thread 1
+        check_rejected_for_memory(s, 4)  # thread 1 again
+        set_memlock(s, resource.RLIM_INFINITY)
+        rc, out, err = client(s.port, "--count", "100")
+        check(rc == 0 and verified(out)[0] == 100, f"served once the limit allows:\n{out}{err}")
+        s.wait_for(r"closed \(the client disconnected[^\n]*\(thread 1\)", 30)
+        refused = [len(re.findall(rf"rejected \(server error: [^\n]*\(thread {t}\)", s.text())) for t in (0, 1)]
+        check(refused == [2, 2], f"2 requests refused by each thread: {refused}")
+    finally:
+        status = s.stop()
+        check(status == 0, f"server exit status {status}:\n{s.text()}")
+    check("terminate" not in s.text(), f"std::terminate:\n{s.text()}")
+    print(next(l for l in s.text().splitlines() if "rejected (server error" in l))
+    check(held.wait(60) == 1 and "the server closed the connection" in text_of(held), f"held client:\n{text_of(held)}")
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
@@ -555,6 +631,9 @@ def main():
         return 77
     if shutil.which("rdma") is None:
         print("echo_test: the iproute2 'rdma' tool is missing")
+        return 1
+    if shutil.which("prlimit") is None or shutil.which("setpriv") is None:
+        print("echo_test: util-linux's prlimit or setpriv is missing")
         return 1
     wanted = sys.argv[2:] or list(CASES)
     failed = []
