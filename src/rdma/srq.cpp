@@ -80,7 +80,13 @@ void srq_state::failed() noexcept {
 srq::srq(io_context& ctx, const verbs::protection_domain& pd, srq_options o)
     : state_(std::make_shared<detail::srq_state>(ctx, pd, o.max_wr, o.max_sge)) {}
 
-srq::~srq() = default;
+srq::~srq() {
+    // The SRQ lives on while a qp receives from it, but its low_water() waits are this
+    // handle's: a refiller resumed later by the device's event would call into a handle that
+    // is gone.
+    while (detail::waiter* w = state_->low_water_waiters.pop_front())
+        w->fulfil(ECANCELED);
+}
 
 srq::request srq::recv(local_buffer into) noexcept {
     return {state_.get(), into};

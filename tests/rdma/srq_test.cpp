@@ -229,3 +229,43 @@ TEST_CASE("srq: the QPs go, then the srq handle: a receive still owed ends with 
     REQUIRE(ended.has_value());
     CHECK(*ended == IBV_WC_WR_FLUSH_ERR);
 }
+
+// Review (issue 22), finding 1: the SRQ outlives its handle while a qp receives from it; the
+// handle's low_water() waits must not (a refiller would resume and call into a handle that
+// is gone).
+TEST_CASE("srq: destroying the srq handle ends its low_water() waits with operation_canceled, "
+          "though a qp still receives from the SRQ") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    cq receives(ch, cq_options{.entries = 4096});
+    auto shared = std::make_unique<srq>(io, dev.pd);
+    const qp_options on_srq{.shared_receive_queue = shared.get()};
+    qp b(dev.pd, receives, receives, verbs::qp_caps{.max_send_wr = 16, .max_recv_wr = 16}, on_srq);
+    constexpr std::uint32_t slots = 8, low = 4;
+    region in(dev.pd, slots * message_size);
+    for (std::uint32_t i = 0; i < slots; ++i) // above the limit: the wait really waits
+        shared->post_recv(in.local(i * message_size, message_size), i);
+    std::optional<int> ended; // 0, or the errno the wait threw
+    auto refiller = [&]() -> task<void> {
+        try {
+            co_await shared->low_water(low, wait_options(3s));
+            ended = 0;
+        } catch (const std::system_error& e) {
+            ended = e.code().value();
+        }
+    };
+    auto owner = [&]() -> task<void> {
+        co_await sleep_for(io, 20ms); // the limit is armed, the refiller waits
+        shared.reset();               // b still holds the SRQ
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    io.run(when_all(refiller(), owner()));
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    MESSAGE("low_water ended with errno "
+            << ended.value_or(-1) << " after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms");
+    REQUIRE(ended.has_value());
+    CHECK(*ended == ECANCELED);
+    CHECK(waited < 1s);
+}

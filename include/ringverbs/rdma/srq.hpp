@@ -40,7 +40,8 @@ struct srq_options {
 // Lifetime: the handles may go in any order; the SRQ lives while a qp receives from it. A
 // posted receive cannot be recalled (a stop or timeout has nothing to cancel, so recv takes
 // none): it ends by its completion, by its QP's flush once a QP took it and failed, or, when
-// the srq handle and every qp on it are gone, with a made-up IBV_WC_WR_FLUSH_ERR. Destroy
+// the srq handle and every qp on it are gone, with a made-up IBV_WC_WR_FLUSH_ERR. The
+// low_water() waits end with the handle (ECANCELED), whether or not the SRQ lives on. Destroy
 // before the io_context, on its thread.
 class srq {
   public:
@@ -62,8 +63,9 @@ class srq {
     void post_recv(local_buffer into, std::uint64_t wr_id);
     // co_await srq.low_water(n): arms the SRQ's limit at n (ibv_modify_srq) and resumes once
     // the device reports fewer than n receives posted (once per arm). Throws std::system_error
-    // "srq::low_water" with timed_out / operation_canceled per `w`, ECANCELED when the srq
-    // goes, EIO after IBV_EVENT_SRQ_ERR, or naming ibv_modify_srq.
+    // "srq::low_water" with timed_out / operation_canceled per `w`, ECANCELED when this srq
+    // handle goes (even while qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR,
+    // or naming ibv_modify_srq.
     low_water_awaitable low_water(std::uint32_t n, wait_options w = {}) noexcept;
 
     ibv_srq* native() const noexcept { return state_->srq.get(); }
