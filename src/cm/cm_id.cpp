@@ -570,12 +570,17 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
     detail::mark_connection_closed(s.id);
     if (rdma_disconnect(s.id) != 0) {
         const int err = errno != 0 ? errno : EIO;
-        // EINVAL on an id that never got connected: there is nothing to wait for.
+        // EINVAL on an id that never sent a connect (no IB CM id): nothing to wait for.
         if (err != EINVAL || s.connected) throw_system_error(err, "rdma_disconnect");
-        s.disconnected = true;
-        return;
     }
-    detail::watch_qp_flush(s.id);
+    detail::watch_qp_flush(s.id); // librdmacm moved the QP to the error state first
+    if (s.connected) return;      // DISCONNECTED comes with the peer's DREP, or IB CM's timeout
+    // Never established (a connect refused, timed out or not answered yet): IB CM has no
+    // connection to send a DREQ for, so rdma_disconnect returned 0 (or EINVAL, above) having
+    // sent nothing, and no DISCONNECTED will come. The id is disconnected now.
+    s.disconnected = true;
+    while (detail::waiter* w = s.disconnect_waiters.pop_front())
+        w->fulfil(0);
 }
 
 void cm_id::close() noexcept {

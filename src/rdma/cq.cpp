@@ -2,6 +2,7 @@
 #include <ringverbs/rdma/cq.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/srq_state.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
 #include <algorithm>
@@ -96,7 +97,16 @@ void cq_state::dispatch(const ibv_wc& wc) noexcept {
         op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);
         return;
     }
+    if (!srq_qps.empty()) note_srq_receive(wc);
     deliver(wc);
+}
+
+void cq_state::note_srq_receive(const ibv_wc& wc) noexcept {
+    const auto it = srq_qps.find(wc.qp_num);
+    if (it == srq_qps.end()) return;
+    const bool receive =
+        wc.status == IBV_WC_SUCCESS ? (wc.opcode & IBV_WC_RECV) != 0 : it->second.receives_only;
+    if (receive) it->second.srq->consumed();
 }
 
 void cq_state::deliver(const ibv_wc& wc) noexcept {

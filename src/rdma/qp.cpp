@@ -68,12 +68,16 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
     send_cq->qps.push_back(this);
     if (recv_cq != send_cq) recv_cq->qps.push_back(this);
     try {
+        if (srq) // its receives' completions count on the SRQ (srq::posted)
+            recv_cq->srq_qps.insert_or_assign(
+                qp.qp_num(), cq_state::srq_receiver{srq.get(), send_cq != recv_cq});
         register_object(qp.native(), this); // for device_events' routing
     } catch (...) {
         send_cq->committed -= committed_send;
         recv_cq->committed -= committed_recv;
         std::erase(send_cq->qps, this);
         std::erase(recv_cq->qps, this);
+        if (srq) recv_cq->srq_qps.erase(qp.qp_num());
         throw;
     }
 }
@@ -88,6 +92,7 @@ qp_state::~qp_state() {
     recv_cq->committed -= committed_recv;
     std::erase(send_cq->qps, this);
     std::erase(recv_cq->qps, this);
+    if (srq) recv_cq->srq_qps.erase(qp.qp_num());
 }
 
 void qp_state::link(wr_op* op) noexcept {

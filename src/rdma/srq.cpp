@@ -51,11 +51,24 @@ srq_state::~srq_state() {
 void srq_state::link(wr_op* op) noexcept {
     push_owed(pending, op);
     ++pending_count;
+    ++posted;
 }
 
 void srq_state::unlink(wr_op* op) noexcept {
     remove_owed(pending, op);
     --pending_count;
+}
+
+void srq_state::consumed() noexcept {
+    if (posted > 0) --posted; // not below 0: receives posted on native() are not counted
+    for (waiter* w = low_water_waiters.front(); w != nullptr;) {
+        waiter* next = w->next;
+        if (static_cast<srq_low_water_waiter*>(w)->below > posted) {
+            low_water_waiters.remove(w);
+            w->fulfil(0); // resumed later, by the loop: `next` is still queued
+        }
+        w = next;
+    }
 }
 
 void srq_state::attach(const std::shared_ptr<cq_state>& recv_cq) {
@@ -80,7 +93,13 @@ void srq_state::failed() noexcept {
 srq::srq(io_context& ctx, const verbs::protection_domain& pd, srq_options o)
     : state_(std::make_shared<detail::srq_state>(ctx, pd, o.max_wr, o.max_sge)) {}
 
-srq::~srq() = default;
+srq::~srq() {
+    // The SRQ lives on while a qp receives from it, but its low_water() waits are this
+    // handle's: a refiller resumed later by the device's event would call into a handle that
+    // is gone.
+    while (detail::waiter* w = state_->low_water_waiters.pop_front())
+        w->fulfil(ECANCELED);
+}
 
 srq::request srq::recv(local_buffer into) noexcept {
     return {state_.get(), into};
@@ -97,6 +116,7 @@ void srq::post_recv(local_buffer into, std::uint64_t wr_id) {
     ibv_recv_wr* bad = nullptr;
     if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv");
+    ++state_->posted;
 }
 
 srq::low_water_awaitable srq::low_water(std::uint32_t n, wait_options w) noexcept {
@@ -125,6 +145,7 @@ void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     auto* self = static_cast<request*>(op);
     self->result_ = wc;
     self->state_->unlink(self);
+    self->state_->consumed();
     self->decide(0);
 }
 
@@ -136,17 +157,17 @@ ibv_wc srq::request::await_resume() {
 
 void srq::low_water_awaitable::await_suspend(std::coroutine_handle<> h) {
     ibv_srq_attr attr{};
-    attr.srq_limit = below_;
+    attr.srq_limit = below;
     if (const int rc = ibv_modify_srq(state_->srq.get(), &attr, IBV_SRQ_LIMIT); rc != 0)
         throw_system_error(verbs::verb_errno(rc),
-                           "ibv_modify_srq(srq_limit " + std::to_string(below_) + ")");
+                           "ibv_modify_srq(srq_limit " + std::to_string(below) + ")");
     state_->low_water_waiters.push_back(this);
     start(*state_->ctx, options_, h, &state_->low_water_waiters, &detail::waiter_queue::detach);
 }
 
 void srq::low_water_awaitable::await_resume() {
     // Decided: the outcome is in this object (the srq may be gone). Not decided: ready at
-    // once, the srq had failed.
+    // once, because the srq had failed or because fewer than asked were posted already.
     const int err = decided() ? error() : state_->error;
     if (err != 0) throw_system_error(err, "srq::low_water");
 }

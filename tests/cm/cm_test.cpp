@@ -190,6 +190,107 @@ TEST_CASE("connect where nothing listens: refused, and the message says so") {
     CHECK(std::chrono::steady_clock::now() - t0 < 5s);
 }
 
+// Review (issue 22), finding 3: rdma_disconnect on an id whose connection was never
+// established may return 0 without sending anything (IB CM has nothing to send a DREQ for),
+// so no DISCONNECTED comes: disconnect() must not wait for one.
+TEST_CASE("disconnect() of an id that never got connected returns at once: resolved with a qp, "
+          "or after a refused connect") {
+    const std::string ip = test_addr();
+    io_context io;
+    cm_channel events(io);
+    auto ms = [](std::chrono::steady_clock::duration d) {
+        return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+    };
+    // Runs co_await id.disconnect(3 s); the errno it threw (0: none) and how long it took.
+    auto disconnect = [&](cm_id& id, int& err, std::chrono::steady_clock::duration& took) {
+        auto run = [&]() -> task<void> {
+            try {
+                co_await id.disconnect(wait_options(3s));
+                err = 0;
+            } catch (const std::system_error& e) {
+                err = e.code().value();
+            }
+        };
+        const auto t0 = std::chrono::steady_clock::now();
+        io.run(run());
+        took = std::chrono::steady_clock::now() - t0;
+    };
+
+    SUBCASE("resolved, a qp, never connected") {
+        cm_id id(events);
+        connector parts;
+        io.run(parts.prepare(io, id, addr_at(ip, 20885)));
+        int err = -1;
+        std::chrono::steady_clock::duration took{};
+        disconnect(id, err, took);
+        MESSAGE("disconnect: errno " << err << " after " << ms(took) << " ms");
+        CHECK(err == 0);
+        CHECK(took < 1s);
+        CHECK(id.is_disconnected());
+    }
+    SUBCASE("after a connect that was refused (nothing listens)") {
+        cm_id id(events);
+        connector parts;
+        auto attempt = [&]() -> task<int> {
+            co_await parts.prepare(io, id, addr_at(ip, 20886)); // nobody listens here
+            try {
+                co_await id.connect({}, wait_options(10s));
+            } catch (const connection_rejected& e) {
+                co_return e.reason();
+            }
+            co_return -1;
+        };
+        REQUIRE(io.run(attempt()) > 0);
+        int err = -1;
+        std::chrono::steady_clock::duration took{};
+        disconnect(id, err, took);
+        MESSAGE("disconnect: errno " << err << " after " << ms(took) << " ms");
+        CHECK(err == 0);
+        CHECK(took < 1s);
+        CHECK(id.is_disconnected());
+    }
+}
+
+// Only in the VM (see below): the connect's request goes nowhere and is still outstanding.
+TEST_CASE("disconnect() after a connect that timed out returns at once" *
+          doctest::skip(!in_our_vm())) {
+    const std::string ip = test_addr();
+    sockaddr_in nobody = addr_at(ip, 20887);
+    reinterpret_cast<unsigned char*>(&nobody.sin_addr)[3] = 77; // x.y.z.77: no host
+    io_context io;
+    cm_channel events(io);
+    cm_id id(events);
+    connector parts;
+    auto attempt = [&]() -> task<int> {
+        co_await parts.prepare(io, id, nobody);
+        try {
+            co_await id.connect({}, wait_options(1s));
+        } catch (const std::system_error& e) {
+            co_return e.code().value();
+        }
+        co_return 0;
+    };
+    REQUIRE(io.run(attempt()) == ETIMEDOUT);
+    int err = -1;
+    auto run = [&]() -> task<void> {
+        try {
+            co_await id.disconnect(wait_options(3s));
+            err = 0;
+        } catch (const std::system_error& e) {
+            err = e.code().value();
+        }
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    io.run(run());
+    const auto took = std::chrono::steady_clock::now() - t0;
+    MESSAGE(
+        "disconnect: errno " << err << " after "
+                             << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                             << " ms");
+    CHECK(err == 0);
+    CHECK(took < 1s);
+}
+
 // Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the
 // request to an address on its subnet that nobody has goes nowhere (on a real network it
 // would reach a real wire).

@@ -229,3 +229,139 @@ TEST_CASE("srq: the QPs go, then the srq handle: a receive still owed ends with 
     REQUIRE(ended.has_value());
     CHECK(*ended == IBV_WC_WR_FLUSH_ERR);
 }
+
+// Review (issue 22), finding 1: the SRQ outlives its handle while a qp receives from it; the
+// handle's low_water() waits must not (a refiller would resume and call into a handle that
+// is gone).
+TEST_CASE("srq: destroying the srq handle ends its low_water() waits with operation_canceled, "
+          "though a qp still receives from the SRQ") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    cq receives(ch, cq_options{.entries = 4096});
+    auto shared = std::make_unique<srq>(io, dev.pd);
+    const qp_options on_srq{.shared_receive_queue = shared.get()};
+    qp b(dev.pd, receives, receives, verbs::qp_caps{.max_send_wr = 16, .max_recv_wr = 16}, on_srq);
+    constexpr std::uint32_t slots = 8, low = 4;
+    region in(dev.pd, slots * message_size);
+    for (std::uint32_t i = 0; i < slots; ++i) // above the limit: the wait really waits
+        shared->post_recv(in.local(i * message_size, message_size), i);
+    std::optional<int> ended; // 0, or the errno the wait threw
+    auto refiller = [&]() -> task<void> {
+        try {
+            co_await shared->low_water(low, wait_options(3s));
+            ended = 0;
+        } catch (const std::system_error& e) {
+            ended = e.code().value();
+        }
+    };
+    auto owner = [&]() -> task<void> {
+        co_await sleep_for(io, 20ms); // the limit is armed, the refiller waits
+        shared.reset();               // b still holds the SRQ
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    io.run(when_all(refiller(), owner()));
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    MESSAGE("low_water ended with errno "
+            << ended.value_or(-1) << " after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms");
+    REQUIRE(ended.has_value());
+    CHECK(*ended == ECANCELED);
+    CHECK(waited < 1s);
+}
+
+// Review (issue 22), finding 2: rxe raises IBV_EVENT_SRQ_LIMIT_REACHED only when it takes a
+// receive, so a limit armed below the count already posted would never fire.
+TEST_CASE("srq: low_water(n) with fewer than n receives already posted resumes at once, whether "
+          "none was taken yet or one was taken before the arm") {
+    device dev;
+    io_context io;
+    device_events events(io, dev.ctx);
+    shared_pair p(dev, io);
+    constexpr std::uint32_t low = 4;
+    region in(dev.pd, low * message_size), out(dev.pd, message_size);
+    stamp(out.bytes, 9);
+    // 0, or the errno the wait threw; and how long it took.
+    auto low_water = [&](std::uint32_t n, std::optional<int>& ended,
+                         std::chrono::nanoseconds& waited) -> task<void> {
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            co_await p.shared.low_water(n, wait_options(3s));
+            ended = 0;
+        } catch (const std::system_error& e) {
+            ended = e.code().value();
+        }
+        waited = std::chrono::steady_clock::now() - t0;
+    };
+    auto ms = [](std::chrono::nanoseconds d) {
+        return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+    };
+
+    // Two posted, none taken: below 4 from the start.
+    for (std::uint32_t i = 0; i < 2; ++i)
+        p.shared.post_recv(in.local(i * message_size, message_size), i);
+    CHECK(p.shared.posted() == 2);
+    std::optional<int> first;
+    std::chrono::nanoseconds first_waited{};
+    io.run(low_water(low, first, first_waited));
+    MESSAGE("2 posted, low_water(4): errno " << first.value_or(-1) << " after " << ms(first_waited)
+                                             << " ms");
+    REQUIRE(first.has_value());
+    CHECK(*first == 0);
+    CHECK(first_waited < 1s);
+
+    // Four posted, one taken (its completion seen) before the arm: 3 left, below 4.
+    for (std::uint32_t i = 2; i < low; ++i)
+        p.shared.post_recv(in.local(i * message_size, message_size), i);
+    auto take_one = [&]() -> task<void> {
+        ibv_wc s = co_await p.a1->send(out.all());
+        CHECK(s.status == IBV_WC_SUCCESS);
+        ibv_wc r = co_await p.receivers_cq.next(wait_options(10s));
+        CHECK(r.status == IBV_WC_SUCCESS);
+    };
+    io.run(take_one());
+    CHECK(p.shared.posted() == low - 1);
+    std::optional<int> second;
+    std::chrono::nanoseconds second_waited{};
+    io.run(low_water(low, second, second_waited));
+    MESSAGE("4 posted, 1 taken, low_water(4): errno " << second.value_or(-1) << " after "
+                                                      << ms(second_waited) << " ms");
+    REQUIRE(second.has_value());
+    CHECK(*second == 0);
+    CHECK(second_waited < 1s);
+}
+
+// The count decides an armed wait too: a receive the device took just before the arm raised no
+// event, but its completion, polled later, brings posted() below the limit. Shown here without
+// a device_events, so no limit event can be routed at all.
+TEST_CASE("srq: an armed low_water(n) also resumes when a polled completion brings posted() "
+          "below n (no device_events)") {
+    device dev;
+    io_context io;
+    shared_pair p(dev, io);
+    constexpr std::uint32_t low = 4;
+    region in(dev.pd, low * message_size), out(dev.pd, message_size);
+    stamp(out.bytes, 3);
+    for (std::uint32_t i = 0; i < low; ++i)
+        p.shared.post_recv(in.local(i * message_size, message_size), i);
+    std::optional<int> ended;
+    auto refiller = [&]() -> task<void> {
+        try {
+            co_await p.shared.low_water(low, wait_options(3s)); // 4 posted: it waits
+            ended = 0;
+        } catch (const std::system_error& e) {
+            ended = e.code().value();
+        }
+    };
+    auto sender = [&]() -> task<void> {
+        co_await sleep_for(io, 20ms);
+        CHECK(!ended.has_value());
+        ibv_wc wc = co_await p.a1->send(out.all());
+        CHECK(wc.status == IBV_WC_SUCCESS);
+    };
+    io.run(when_all(refiller(), sender()));
+    REQUIRE(ended.has_value());
+    CHECK(*ended == 0);
+    CHECK(p.shared.posted() == low - 1);
+    CHECK(p.shared.limit_events() == 0);
+}

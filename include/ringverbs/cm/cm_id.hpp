@@ -182,8 +182,12 @@ class cm_id {
     void reject(std::span<const std::byte> data = {});
 
     // co_await id.disconnect(): rdma_disconnect (the QP goes to the error state, flushing its
-    // requests), then DISCONNECTED. Returns at once if already disconnected. Throws naming
-    // rdma_disconnect.
+    // requests), then DISCONNECTED (the peer's answer, or IB CM giving up on it). Returns at
+    // once if already disconnected, or if the connection was never established (a connect
+    // refused, timed out or not answered yet: nothing is sent, no DISCONNECTED would come);
+    // the id is disconnected then, and disconnected() resumes. Like a step, the wait is bounded
+    // by the channel's cm_channel_options::step_timeout unless `options` has a timeout of its
+    // own. Throws naming rdma_disconnect (timed_out after the bound).
     disconnect_awaitable disconnect(wait_options options = {}) noexcept;
     // co_await id.disconnected(): resumes when the connection is gone (either side
     // disconnected, or the peer vanished). Throws std::system_error "cm_id::disconnected" with
@@ -371,7 +375,13 @@ class cm_id::disconnect_awaitable : detail::waiter {
     }
     void await_suspend(std::coroutine_handle<> h) {
         state_->disconnect_waiters.push_back(this);
-        start(*state_->channel->ctx, options_, h, &state_->disconnect_waiters,
+        // disconnect() without a timeout of its own is bounded like a step (its answer is the
+        // peer's CM's); disconnected() waits for the peer as long as asked.
+        const wait_options bounded =
+            initiate_ && options_.timeout == wait_options::no_timeout
+                ? wait_options(state_->channel->step_timeout, options_.stop)
+                : options_;
+        start(*state_->channel->ctx, bounded, h, &state_->disconnect_waiters,
               &detail::waiter_queue::detach);
     }
     void await_resume() {
@@ -382,6 +392,9 @@ class cm_id::disconnect_awaitable : detail::waiter {
                         : state_->disconnected ? 0
                         : state_->closed       ? ECANCELED
                                                : state_->error;
+        if (err == ETIMEDOUT && initiate_)
+            throw_system_error(ETIMEDOUT, "rdma_disconnect: no DISCONNECTED within the bound (its "
+                                          "wait_options, else cm_channel_options::step_timeout)");
         if (err != 0)
             throw_system_error(err, initiate_ ? "rdma_disconnect" : "cm_id::disconnected");
     }

@@ -30,9 +30,8 @@ struct srq_options {
 //   qp_num, the QP that took it), like qp::recv;
 // - srq.post_recv(buffer, wr_id): a receive of a pool; its completion goes to cq::next() of the
 //   receive CQ of the QP that took it (check wc.qp_num and wc.wr_id).
-// co_await srq.low_water(n) resumes when fewer than n receives are left posted (the device's
-// IBV_EVENT_SRQ_LIMIT_REACHED, which needs a device_events watching the device), so that a
-// refiller coroutine sleeps until the pool runs low.
+// co_await srq.low_water(n) resumes when fewer than n receives are left posted, so that a
+// refiller coroutine sleeps until the pool runs low (see low_water()).
 //
 // The receive CQs of the QPs on an SRQ must hold what it can complete at once: give them at
 // least max_wr entries more than their QPs' send queues need.
@@ -40,7 +39,8 @@ struct srq_options {
 // Lifetime: the handles may go in any order; the SRQ lives while a qp receives from it. A
 // posted receive cannot be recalled (a stop or timeout has nothing to cancel, so recv takes
 // none): it ends by its completion, by its QP's flush once a QP took it and failed, or, when
-// the srq handle and every qp on it are gone, with a made-up IBV_WC_WR_FLUSH_ERR. Destroy
+// the srq handle and every qp on it are gone, with a made-up IBV_WC_WR_FLUSH_ERR. The
+// low_water() waits end with the handle (ECANCELED), whether or not the SRQ lives on. Destroy
 // before the io_context, on its thread.
 class srq {
   public:
@@ -60,16 +60,27 @@ class srq {
     // Posts a receive whose completion goes to cq::next() with `wr_id` (top bit clear, else
     // EINVAL: those wr_ids are ringverbs'). Throws std::system_error naming ibv_post_srq_recv.
     void post_recv(local_buffer into, std::uint64_t wr_id);
-    // co_await srq.low_water(n): arms the SRQ's limit at n (ibv_modify_srq) and resumes once
-    // the device reports fewer than n receives posted (once per arm). Throws std::system_error
-    // "srq::low_water" with timed_out / operation_canceled per `w`, ECANCELED when the srq
-    // goes, EIO after IBV_EVENT_SRQ_ERR, or naming ibv_modify_srq.
+    // co_await srq.low_water(n): resumes once fewer than n receives are posted. At once when
+    // posted() is below n already (the device raises its limit event only when it takes a
+    // receive: a limit armed below what it holds would never fire). Else arms the SRQ's limit
+    // at n (ibv_modify_srq) and resumes at the device's IBV_EVENT_SRQ_LIMIT_REACHED (which
+    // needs a device_events watching the device; once per arm) or when polled completions
+    // bring posted() below n, whichever comes first. Throws std::system_error
+    // "srq::low_water" with timed_out / operation_canceled per `w`, ECANCELED when this srq
+    // handle goes (even while qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR,
+    // or naming ibv_modify_srq.
     low_water_awaitable low_water(std::uint32_t n, wait_options w = {}) noexcept;
 
     ibv_srq* native() const noexcept { return state_->srq.get(); }
     std::uint32_t capacity() const noexcept { return state_->max_wr; }
     // Per-request receives posted and not yet completed.
     std::size_t pending() const noexcept { return state_->pending_count; }
+    // Receives posted through this srq (recv and post_recv) whose completion has not been
+    // polled yet, as low_water() counts them: never less than the device holds. A pool
+    // receive counts as completed when a receive CQ of a qp on this srq polls its completion;
+    // a failed one only where that CQ is not also the qp's send CQ (a failed completion does
+    // not say whether it was a receive). Receives posted on native() are not counted.
+    std::size_t posted() const noexcept { return state_->posted; }
     // IBV_EVENT_SRQ_LIMIT_REACHED events routed to this srq so far.
     std::uint64_t limit_events() const noexcept { return state_->limit_events; }
 
@@ -104,11 +115,12 @@ class srq::request : detail::wr_op, detail::wait_core {
 
 // srq::low_water_awaitable: returned by srq::low_water(); co_await resumes once fewer receives
 // than asked are posted (see low_water()). Awaited in place, not moved.
-class srq::low_water_awaitable : detail::waiter {
+class srq::low_water_awaitable : detail::srq_low_water_waiter {
   public:
     low_water_awaitable(const low_water_awaitable&) = delete;
     low_water_awaitable& operator=(const low_water_awaitable&) = delete;
-    bool await_ready() const noexcept { return state_->error != 0; }
+    // Decided at once when fewer than asked are posted already: no event would come.
+    bool await_ready() const noexcept { return state_->error != 0 || state_->posted < below; }
     // Arms the limit (throws std::system_error naming ibv_modify_srq) and waits.
     void await_suspend(std::coroutine_handle<> h);
     void await_resume();
@@ -116,10 +128,11 @@ class srq::low_water_awaitable : detail::waiter {
   private:
     friend class srq;
     low_water_awaitable(detail::srq_state* state, std::uint32_t n, wait_options w) noexcept
-        : state_(state), below_(n), options_(std::move(w)) {}
+        : state_(state), options_(std::move(w)) {
+        below = n;
+    }
 
     detail::srq_state* state_;
-    std::uint32_t below_;
     wait_options options_;
 };
 

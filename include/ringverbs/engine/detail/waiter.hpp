@@ -68,6 +68,9 @@ class waiter : wait_core {
 class waiter_queue {
   public:
     bool empty() const noexcept { return head_ == nullptr; }
+    // The first waiter (or null), for a source that decides some of its waiters only: walk on
+    // through waiter::next, read before remove().
+    waiter* front() const noexcept { return head_; }
     void push_back(waiter* w) noexcept {
         w->next = nullptr;
         w->prev = tail_;

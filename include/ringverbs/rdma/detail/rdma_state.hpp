@@ -23,12 +23,14 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace ringverbs::detail {
 
 struct qp_state;
 struct cq_state;
+struct srq_state;
 
 // A posted work request that a coroutine awaits. wr_id carries its address, tagged.
 struct wr_op {
@@ -148,6 +150,14 @@ struct cq_state {
     std::size_t head = 0;
     std::size_t count = 0;
     std::vector<qp_state*> qps; // QPs using this CQ (raw: each removes itself)
+    // The QPs on an SRQ whose receive CQ this is, by qp_num: their receives' completions
+    // count on the SRQ (srq_state::posted). A failed completion does not say whether it was a
+    // receive: counted only for a QP whose send CQ is another.
+    struct srq_receiver {
+        srq_state* srq;
+        bool receives_only;
+    };
+    std::unordered_map<std::uint32_t, srq_receiver> srq_qps;
     // Completions the QPs on this CQ can produce at once (their send or receive queue
     // capacities), for the overrun check at qp creation.
     std::size_t committed = 0;
@@ -160,6 +170,8 @@ struct cq_state {
 
     void dispatch(const ibv_wc& wc) noexcept;
     void deliver(const ibv_wc& wc) noexcept;
+    // A pool completion of a QP on an SRQ: counted on the SRQ.
+    void note_srq_receive(const ibv_wc& wc) noexcept;
     bool pop(ibv_wc& out) noexcept;
     void arm() noexcept;
     void set_armed(bool on) noexcept;

@@ -19,6 +19,11 @@
 
 namespace ringverbs::detail {
 
+// A waiter of srq::low_water(n): resumed once fewer than `below` receives are posted.
+struct srq_low_water_waiter : waiter {
+    std::uint32_t below = 0;
+};
+
 struct srq_state {
     io_context* ctx;
     std::shared_ptr<ibv_srq> srq; // ibv_destroy_srq; keeps its PD
@@ -32,7 +37,12 @@ struct srq_state {
     // that a completion the device delivered before its QP was destroyed still reaches its
     // awaiter and none arrives after the made-up flush.
     std::vector<std::shared_ptr<cq_state>> recv_cqs;
-    waiter_queue low_water_waiters; // srq::low_water(): IBV_EVENT_SRQ_LIMIT_REACHED
+    // Receives posted through the srq (both kinds) whose completion has not been polled yet:
+    // at least what the device still holds, since it takes a receive before its completion
+    // can be polled. srq::low_water() decides from it, because the device's limit event
+    // comes only when it takes a receive (never for a limit armed below what it holds).
+    std::size_t posted = 0;
+    waiter_queue low_water_waiters; // of srq_low_water_waiter
     std::uint64_t limit_events = 0;
     int error = 0; // EIO after IBV_EVENT_SRQ_ERR: receives can no longer be relied on
 
@@ -44,6 +54,9 @@ struct srq_state {
 
     void link(wr_op* op) noexcept;
     void unlink(wr_op* op) noexcept;
+    // The completion of a receive of this SRQ was polled: one fewer posted, which resumes the
+    // low_water() waiters whose limit that crosses.
+    void consumed() noexcept;
     // A QP receiving from this SRQ was made with `recv_cq`.
     void attach(const std::shared_ptr<cq_state>& recv_cq);
     // From device_events (the async event's routing).
