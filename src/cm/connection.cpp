@@ -129,13 +129,19 @@ std::shared_ptr<channel> channel_of(io_context& io, const device_share& dev,
     return ch;
 }
 
-// The rdma_cm event channel connect() uses on this thread's io_context.
+// The rdma_cm event channel connect() uses on this thread's io_context. A channel that failed
+// (error() != 0) reads no event any more: every step of an id on it would time out, so it is
+// replaced here; the connections still on it keep it until they go.
 std::shared_ptr<cm_channel> cm_channel_of(io_context& io) {
     thread_local std::vector<std::pair<io_context*, std::weak_ptr<cm_channel>>> channels;
     std::pair<io_context*, std::weak_ptr<cm_channel>>* stale = nullptr;
     for (auto& e : channels) {
-        if (e.first == &io)
-            if (auto ch = e.second.lock()) return ch;
+        if (e.first == &io) {
+            auto ch = e.second.lock();
+            if (ch && ch->error() == 0) return ch;
+            stale = &e; // expired, or dead: this entry is the one to replace
+            break;
+        }
         if (e.second.expired()) stale = &e;
     }
     auto ch = std::make_shared<cm_channel>(io);
@@ -326,6 +332,9 @@ cq& connection::completions() noexcept {
 }
 cm_id& connection::id() noexcept {
     return parts_->id;
+}
+cm_channel& connection::events() noexcept {
+    return *parts_->events;
 }
 
 task<connection> connect(io_context& io, std::string address, connection_options options,

@@ -3,20 +3,27 @@
 #include "cm_fixture.hpp"
 
 #include <ringverbs/cm/connection.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/srq.hpp>
 
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace rt;
@@ -211,8 +218,6 @@ TEST_CASE("connect's default bound is 15 s per step") {
     CHECK(connection_options{}.step_timeout == 15s);
 }
 
-// Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the
-// request to an address on its subnet that nobody has goes nowhere.
 TEST_CASE("a stop_token ends a connect that waits for an address nobody has: "
           "operation_canceled, at once" *
           doctest::skip(!in_our_vm())) {
@@ -385,4 +390,38 @@ TEST_CASE("the listener's own failures are thrown from accept() (EINVAL naming r
         CHECK(accept_errors == 2);
         CHECK(client_rejected == 2);
     }
+}
+
+TEST_CASE("a failed rdma_cm channel is not reused: the next connect() on the thread makes a new "
+          "one and connects") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        // Break connect()'s channel for real: its fd number now names an eventfd, so
+        // librdmacm's next rdma_get_cm_event (a write of its command to the fd) fails with
+        // EINVAL and the channel is dead. The io_uring poll still holds the rdma_cm file, so
+        // the DISCONNECTED of c (the server begins a disconnect, which c never answers now)
+        // wakes the channel to read it.
+        cm_channel& dead = c.events();
+        const int efd = ::eventfd(0, EFD_CLOEXEC);
+        REQUIRE(efd >= 0);
+        REQUIRE(::dup2(efd, dead.fd()) == dead.fd());
+        ::close(efd);
+        s.id().close();
+        try {
+            co_await c.disconnected(wait_options(5s));
+        } catch (const std::system_error& e) {
+            MESSAGE(std::string(e.what()));
+        }
+        REQUIRE(dead.error() != 0);
+        auto [s2, c2] = co_await when_all(l.accept(wait_options(10s)), connect(io, at));
+        CHECK(&c2.events() != &dead);
+        CHECK(c2.events().error() == 0);
+        co_await exchange(c2, s2, 31);
+        co_await exchange(s2, c2, 32);
+    };
+    io.run(run());
 }

@@ -44,6 +44,9 @@ class cm_channel {
 
     io_context& context() const noexcept { return *state_->ctx; }
     int fd() const noexcept { return state_->channel->fd; }
+    // 0 while the channel works; else the errno that ended it (its fd's poll or
+    // rdma_get_cm_event failed): no event of its ids is read any more, for good.
+    int error() const noexcept { return state_->error; }
     // rdma_cm events read so far.
     std::uint64_t events() const noexcept { return state_->events; }
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.

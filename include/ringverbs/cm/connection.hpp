@@ -145,6 +145,8 @@ class connection {
     // The connection's recv_ring (null without connection_options::receive_slots).
     recv_ring* receives() noexcept;
     cm_id& id() noexcept;
+    // The rdma_cm event channel of id(): connect()'s of this thread, or the listener's.
+    cm_channel& events() noexcept;
 
     // What connect() and listener make (opaque).
     struct parts;
