@@ -42,9 +42,12 @@ void split_host_port(std::string_view text, std::string& host, std::string& port
         const auto rest = text.substr(close + 1);
         if (rest.size() < 2 || rest.front() != ':') bad("expected \"[address]:port\"");
         p = rest.substr(1);
+    } else if (const auto colon = text.rfind(':'); colon == std::string_view::npos) {
+        // A bare port: any address (a listener's; connect() refuses an empty host itself).
+        if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos)
+            bad("expected \"host:port\", \":port\" or \"port\"");
+        p = text;
     } else {
-        const auto colon = text.rfind(':');
-        if (colon == std::string_view::npos) bad("expected \"host:port\"");
         h = text.substr(0, colon);
         p = text.substr(colon + 1);
         if (h.find(':') != std::string_view::npos)

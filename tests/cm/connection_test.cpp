@@ -178,7 +178,7 @@ TEST_CASE("connect where nothing listens: connection_rejected, within a moment")
 TEST_CASE("addresses connect() cannot use: EINVAL naming ringverbs::connect or the lookup") {
     io_context io;
     for (const char* bad : {"198.18.0.1", "198.18.0.1:", "198.18.0.1:70000", "198.18.0.1:x",
-                            "[fe80::1:7471", "fe80::1:7471", ":7471"}) {
+                            "[fe80::1:7471", "fe80::1:7471", ":7471", "7471"}) {
         CAPTURE(bad);
         try {
             io.run(connect(io, bad));
@@ -422,6 +422,24 @@ TEST_CASE("a failed rdma_cm channel is not reused: the next connect() on the thr
         CHECK(c2.events().error() == 0);
         co_await exchange(c2, s2, 31);
         co_await exchange(s2, c2, 32);
+    };
+    io.run(run());
+}
+
+TEST_CASE("a bare port (\"7471\") is a listener's any address") {
+    std::string host, port;
+    detail::split_host_port("7471", host, port, "test");
+    CHECK(host.empty());
+    CHECK(port == "7471");
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, "0"); // port 0: one is picked, on every address
+    REQUIRE(l.port() != 0);
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)),
+                                        connect(io, ip + ":" + std::to_string(l.port())));
+        co_await exchange(c, s, 41);
+        co_await exchange(s, c, 42);
     };
     io.run(run());
 }

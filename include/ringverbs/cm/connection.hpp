@@ -176,9 +176,9 @@ task<connection> connect(io_context& io, std::string address, connection_options
 //   listener l(io, ":7471");                   // every address of every RDMA device
 //   connection c = co_await l.accept();        // the next established connection
 //
-// "host:port", ":port" (any address, IPv4 and IPv6), "0.0.0.0:port", "[::]:port"; port 0 picks
-// one (port() tells which). When listening on any address the device is known only at each
-// request: each connection gets the PD and channel of the device its request came on.
+// "host:port", ":port" or "port" (any address, IPv4 and IPv6), "0.0.0.0:port", "[::]:port";
+// port 0 picks one (port() tells which). When listening on any address the device is known only at
+// each request: each connection gets the PD and channel of the device its request came on.
 //
 // From construction on, the listener takes every request itself (a task spawned on `io`, so
 // requests are answered whenever the loop runs, whether or not an accept() waits) and runs the
