@@ -377,10 +377,10 @@ cm_channel::cm_channel(io_context& ctx, cm_channel_options options)
 cm_channel::~cm_channel() = default;
 
 connection_rejected::connection_rejected(int reason, std::string reason_text,
-                                         std::vector<std::byte> data)
+                                         std::vector<std::byte> data, const char* call)
     : std::system_error(ECONNREFUSED, std::system_category(),
-                        "rdma_connect: rejected by the peer: reason " + std::to_string(reason) +
-                            " (" + reason_text + ")"),
+                        std::string(call) + ": rejected by the peer: reason " +
+                            std::to_string(reason) + " (" + reason_text + ")"),
       reason_(reason), data_(std::move(data)) {}
 
 cm_id::cm_id(cm_channel& ch) {
@@ -553,8 +553,10 @@ std::vector<std::byte> cm_id::outcome(step k, int wait_error,
     if (r.type == expected[i]) return std::move(r.private_data);
     switch (r.type) {
     case RDMA_CM_EVENT_REJECTED:
-        throw connection_rejected(r.status, reject_reason_text(r.status),
-                                  std::move(r.private_data));
+        // On rdma_connect: the listener refused our request. On rdma_accept: the connecting
+        // peer refused our accept (it rejected the REP, or gave up and its IB CM said so).
+        throw connection_rejected(r.status, reject_reason_text(r.status), std::move(r.private_data),
+                                  name);
     case RDMA_CM_EVENT_DISCONNECTED:
         throw_system_error(ECONNRESET, std::string(name) + ": disconnected before established");
     default: {

@@ -443,3 +443,85 @@ TEST_CASE("a bare port (\"7471\") is a listener's any address") {
     };
     io.run(run());
 }
+
+namespace {
+
+std::mutex seen_mutex;
+std::vector<std::string> seen_lines;
+void keep_line(std::string_view line) noexcept {
+    try {
+        const std::lock_guard lock(seen_mutex);
+        seen_lines.emplace_back(line);
+    } catch (...) {
+    }
+}
+
+// A connecting peer whose id has no qp, so that librdmacm hands it the listener's accept (the
+// REP, as CONNECT_RESPONSE) instead of answering it with the RTU; it then rejects that accept.
+// Raw librdmacm, on its own thread (its waits block).
+void reject_the_accept(const std::string& ip, std::uint16_t port, std::atomic<int>& step) {
+    rdma_event_channel* ch = rdma_create_event_channel();
+    rdma_cm_id* id = nullptr;
+    auto expect = [&](rdma_cm_event_type want) {
+        rdma_cm_event* ev = nullptr;
+        if (rdma_get_cm_event(ch, &ev) != 0) return false;
+        const bool ok = ev->event == want;
+        rdma_ack_cm_event(ev);
+        return ok;
+    };
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(port);
+    inet_pton(AF_INET, ip.c_str(), &to.sin_addr);
+    rdma_conn_param p{};
+    p.responder_resources = p.initiator_depth = 1;
+    p.retry_count = 7;
+    p.qp_num = 0x123; // no qp: only IB CM's REQ carries it
+    const char no[] = "no, thanks";
+    if (ch != nullptr && rdma_create_id(ch, &id, nullptr, RDMA_PS_TCP) == 0 &&
+        rdma_resolve_addr(id, nullptr, reinterpret_cast<sockaddr*>(&to), 2000) == 0 &&
+        expect(RDMA_CM_EVENT_ADDR_RESOLVED) && rdma_resolve_route(id, 2000) == 0 &&
+        expect(RDMA_CM_EVENT_ROUTE_RESOLVED) && rdma_connect(id, &p) == 0 &&
+        expect(RDMA_CM_EVENT_CONNECT_RESPONSE)) {
+        step = rdma_reject(id, no, sizeof no) == 0 ? 1 : -1;
+    } else {
+        step = -1;
+    }
+    if (id != nullptr) rdma_destroy_id(id);
+    if (ch != nullptr) rdma_destroy_event_channel(ch);
+}
+
+} // namespace
+
+TEST_CASE("the connecting peer rejects the listener's accept: the drop names rdma_accept, not "
+          "rdma_connect") {
+    const std::string ip = test_addr();
+    {
+        const std::lock_guard lock(seen_mutex);
+        seen_lines.clear();
+    }
+    const diagnostics_sink before = set_diagnostics_sink(keep_line);
+    io_context io;
+    listener l(io, ip + ":0");
+    std::atomic<int> step{0};
+    std::thread peer(reject_the_accept, ip, l.port(), std::ref(step));
+    auto wait = [&]() -> task<void> {
+        for (int i = 0; i < 200 && (step == 0 || l.handshakes() != 0); ++i)
+            co_await sleep_for(io, 50ms);
+    };
+    io.run(wait());
+    peer.join();
+    set_diagnostics_sink(before);
+    CHECK(step == 1);
+    CHECK(l.handshakes() == 0);
+    CHECK(l.waiting() == 0);
+    const std::lock_guard lock(seen_mutex);
+    bool named = false;
+    for (const std::string& line : seen_lines) {
+        MESSAGE(line);
+        if (contains(line, "dropped") && contains(line, "rdma_accept: rejected") &&
+            !contains(line, "rdma_connect"))
+            named = true;
+    }
+    CHECK(named);
+}

@@ -34,10 +34,14 @@
 namespace ringverbs {
 
 // The peer refused the connection (RDMA_CM_EVENT_REJECTED): a std::system_error with
-// errc::connection_refused naming rdma_connect, whose what() names the reject reason.
+// errc::connection_refused whose what() names the reject reason and the call that learned of
+// it: rdma_connect (the listening side refused our request: nothing listens there, or its
+// rdma_reject), or rdma_accept (the connecting side refused our accept: its application
+// rejected the REP, or it gave up on the connection and its IB CM sent a reject, reason 4).
 class connection_rejected : public std::system_error {
   public:
-    connection_rejected(int reason, std::string reason_text, std::vector<std::byte> data);
+    connection_rejected(int reason, std::string reason_text, std::vector<std::byte> data,
+                        const char* call = "rdma_connect");
     // The transport's reason code (IB CM on RoCE: 28 = the peer called rdma_reject, 8 = no
     // listener on that port).
     int reason() const noexcept { return reason_; }
@@ -174,7 +178,8 @@ class cm_id {
     connect_awaitable connect(std::span<const std::byte> data = {}, wait_options options = {},
                               cm_conn_options conn = {}) noexcept;
     // co_await c.accept_connection(data): rdma_accept of an accepted request, then
-    // ESTABLISHED. Needs the id's qp. Throws std::system_error naming rdma_accept.
+    // ESTABLISHED. Needs the id's qp. Throws std::system_error naming rdma_accept, or
+    // connection_rejected naming rdma_accept when the connecting peer refused the accept.
     step_awaitable accept_connection(std::span<const std::byte> data = {},
                                      wait_options options = {}, cm_conn_options conn = {}) noexcept;
     // Refuses an accepted request; the connector gets connection_rejected with `data`

@@ -205,7 +205,8 @@ class listener {
 
     // co_await l.accept(): the next established connection, in the order their handshakes
     // ended. A request whose handshake fails on the peer's side (it went away, timed out,
-    // never sent its RTU within step_timeout) is dropped and reported to the diagnostics sink;
+    // rejected our accept: connection_rejected naming rdma_accept, never sent its RTU within
+    // step_timeout) is dropped and reported to the diagnostics sink;
     // accept() never sees it. Throws std::system_error: "listener::accept" with timed_out /
     // operation_canceled per `w` (only this wait ends: handshakes go on), operation_canceled
     // when the listener is destroyed, the channel's errno when the rdma_cm event channel
