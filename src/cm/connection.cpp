@@ -5,6 +5,7 @@
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/error.hpp>
 #include <ringverbs/engine/poll.hpp>
+#include <ringverbs/rdma/srq.hpp>
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -280,7 +281,12 @@ struct connection::parts {
         if (o.cq_entries > 0) {
             co.entries = o.cq_entries;
         } else {
-            const auto needed = std::size_t{caps.max_send_wr} + caps.max_recv_wr;
+            // On an SRQ the qp has no receive queue of its own (max_recv_wr is unused), but any
+            // receive the SRQ holds may complete on this qp, hence on this CQ: count its depth.
+            const std::size_t receives = o.queue.shared_receive_queue != nullptr
+                                             ? o.queue.shared_receive_queue->capacity()
+                                             : caps.max_recv_wr;
+            const auto needed = std::size_t{caps.max_send_wr} + receives;
             std::size_t entries = 1;
             while (entries < needed)
                 entries *= 2;

@@ -525,3 +525,34 @@ TEST_CASE("the connecting peer rejects the listener's accept: the drop names rdm
     }
     CHECK(named);
 }
+
+TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and what the SRQ can "
+          "complete at once") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        // A first connection gives the device's PD, where the SRQ must be.
+        auto [s1, c1] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        srq shared(io, c1.pd(), srq_options{.max_wr = 512});
+        connection_options o;
+        o.caps.max_send_wr = 16;
+        o.queue.shared_receive_queue = &shared;
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at, o));
+        MESSAGE("CQ of " << c.completions().capacity() << " entries; SRQ of " << shared.capacity());
+        CHECK(c.completions().capacity() >= static_cast<int>(16 + shared.capacity()));
+        // A message from the peer lands in the SRQ, its completion on c's CQ.
+        std::vector<std::byte> out(256, std::byte{5}), in(256);
+        verbs::memory_region mr_out(s.pd(), out), mr_in(c.pd(), in);
+        auto receive = [&]() -> task<ibv_wc> {
+            co_return co_await shared.recv(local_buffer(mr_in, in));
+        };
+        auto send = [&]() -> task<void> { co_await s.send(local_buffer(mr_out, out)); };
+        auto [wc, sent] = co_await when_all(receive(), send());
+        (void)sent;
+        CHECK(wc.byte_len == 256);
+        CHECK(wc.qp_num == c.queue_pair().qp_num());
+    };
+    io.run(run());
+}

@@ -40,7 +40,9 @@ struct connection_options {
     // The qp's capacities (send / receive requests, SGEs, inline bytes).
     verbs::qp_caps caps = {};
     // The connection's CQ (send and receive completions both go there). 0: the qp's send plus
-    // receive capacity, rounded up to a power of two, so that a flush of everything fits.
+    // receive capacity, rounded up to a power of two, so that a flush of everything fits. On
+    // a shared receive queue (queue.shared_receive_queue) the receive part is the SRQ's
+    // capacity instead: any of its receives may complete on this connection's CQ.
     int cq_entries = 0;
     // How the completion channel learns of completions (events, busy, hybrid). The channel is
     // shared by every connection of this thread (io_context) on the same device with equal
