@@ -62,6 +62,13 @@ void split_host_port(std::string_view text, std::string& host, std::string& port
     port.assign(p);
 }
 
+std::chrono::nanoseconds connect_step_bound(std::chrono::nanoseconds step_timeout) noexcept {
+    // The rdma_cm steps would fall back to the channel's bound anyway (cm_id: a step awaited
+    // without a timeout); saying it here gives the lookup, which has no channel, the same one.
+    return step_timeout == wait_options::no_timeout ? cm_channel_options{}.step_timeout
+                                                    : step_timeout;
+}
+
 std::string address_text(const sockaddr* a) {
     char text[INET6_ADDRSTRLEN] = {};
     if (a == nullptr) return "?";
@@ -354,7 +361,7 @@ task<connection> connect(io_context& io, std::string address, connection_options
         throw_system_error(EINVAL, "ringverbs::connect (address \"" + address +
                                        "\": no host to connect to)");
     const std::vector<std::byte> data(options.private_data.begin(), options.private_data.end());
-    const wait_options step(options.step_timeout, stop);
+    const wait_options step(detail::connect_step_bound(options.step_timeout), stop);
     addrinfo_ptr found = co_await lookup(io, host, port, step);
 
     std::shared_ptr<cm_channel> events = cm_channel_of(io);

@@ -214,8 +214,13 @@ TEST_CASE("a host name is looked up (on a thread of its own): \"localhost\" reso
     }
 }
 
-TEST_CASE("connect's default bound is 15 s per step") {
+TEST_CASE("connect's default bound is 15 s per step; no_timeout stands for the channel's bound "
+          "for every step, the lookup included") {
     CHECK(connection_options{}.step_timeout == 15s);
+    CHECK(detail::connect_step_bound(connection_options{}.step_timeout) == 15s);
+    CHECK(detail::connect_step_bound(wait_options::no_timeout) ==
+          cm_channel_options{}.step_timeout);
+    CHECK(detail::connect_step_bound(3s) == 3s);
 }
 
 TEST_CASE("a stop_token ends a connect that waits for an address nobody has: "

@@ -53,10 +53,15 @@ struct connection_options {
     qp_options queue = {};
     // RDMA read / atomic depth and the retry counts (cm_conn_options).
     cm_conn_options conn = {};
-    // The bound of every rdma_cm step: address and route resolution, connect (until the peer
-    // accepted), accept (until the connection is established). A step that takes longer fails
-    // with std::system_error(errc::timed_out) naming the rdma_* call. Waiting for the next
-    // request, listener::accept(), is not a step: it is bounded by its own wait_options.
+    // The bound of every step, each on its own: connect()'s host-name lookup, address and route
+    // resolution, connect (until the peer accepted), accept (until the connection is
+    // established). A step that takes longer fails with std::system_error(errc::timed_out)
+    // naming its call (rdma_getaddrinfo, rdma_*). wait_options::no_timeout does not make the
+    // steps unbounded: it stands for the rdma_cm channel's own bound (cm_channel_options::
+    // step_timeout, 15 s), for every step alike, the lookup included (an unbounded connect
+    // would wait on IB CM's retries for minutes; give a longer duration instead). Waiting for
+    // the next request, listener::accept(), is not a step: it is bounded by its own
+    // wait_options.
     std::chrono::nanoseconds step_timeout = std::chrono::seconds(15);
     // When not 0: the connection keeps this many receives posted in a recv_ring of its own
     // (receive_size bytes each, registered once), made before the connection is established so
@@ -241,6 +246,9 @@ namespace detail {
 void split_host_port(std::string_view text, std::string& host, std::string& port, const char* who);
 // An address as text: "198.18.0.2:40123", "[fe80::1]:7471" (and "?" for other families).
 std::string address_text(const sockaddr* a);
+// The bound connect() gives each of its steps for connection_options::step_timeout:
+// no_timeout stands for cm_channel_options' default step_timeout (15 s), else it is itself.
+std::chrono::nanoseconds connect_step_bound(std::chrono::nanoseconds step_timeout) noexcept;
 } // namespace detail
 
 } // namespace ringverbs
