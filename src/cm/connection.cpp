@@ -30,6 +30,11 @@ namespace ringverbs {
 
 namespace detail {
 
+namespace {
+// Host-name lookups on their threads, in the whole process (connect()'s bound on them).
+std::atomic<unsigned> lookups_running{0};
+} // namespace
+
 void split_host_port(std::string_view text, std::string& host, std::string& port, const char* who) {
     auto bad = [&](const char* why) {
         throw_system_error(EINVAL, std::string(who) + " (address \"" + std::string(text) +
@@ -67,6 +72,10 @@ std::chrono::nanoseconds connect_step_bound(std::chrono::nanoseconds step_timeou
     // without a timeout); saying it here gives the lookup, which has no channel, the same one.
     return step_timeout == wait_options::no_timeout ? cm_channel_options{}.step_timeout
                                                     : step_timeout;
+}
+
+unsigned lookup_threads() noexcept {
+    return lookups_running.load(std::memory_order_relaxed);
 }
 
 std::string address_text(const sockaddr* a) {
@@ -232,6 +241,21 @@ task<addrinfo_ptr> lookup(io_context& io, std::string host, std::string port, wa
     const int code = lookup_now(host, port, false, true, &found);
     if (code == 0) co_return addrinfo_ptr(found, rdma_freeaddrinfo);
     if (code != EAI_NONAME) throw_lookup(code, host, port);
+    // A thread each, detached (a lookup cannot be cancelled): bounded, so that a burst of
+    // connect()s to a name whose DNS hangs cannot pile up threads. Beyond it: EAGAIN at once.
+    if (detail::lookups_running.fetch_add(1, std::memory_order_relaxed) >=
+        detail::max_lookup_threads) {
+        detail::lookups_running.fetch_sub(1, std::memory_order_relaxed);
+        throw_system_error(EAGAIN, "rdma_getaddrinfo(\"" + host + "\", \"" + port + "\") (" +
+                                       std::to_string(detail::max_lookup_threads) +
+                                       " host-name lookups already under way on their threads)");
+    }
+    struct release_slot {
+        bool armed = true;
+        ~release_slot() {
+            if (armed) detail::lookups_running.fetch_sub(1, std::memory_order_relaxed);
+        }
+    } slot; // until the thread owns the slot
     auto job = std::make_shared<lookup_job>();
     job->host = host;
     job->port = port;
@@ -239,10 +263,13 @@ task<addrinfo_ptr> lookup(io_context& io, std::string host, std::string port, wa
     if (job->efd < 0) throw_system_error(errno, "eventfd (for rdma_getaddrinfo's thread)");
     std::thread([job] {
         job->code = lookup_now(job->host, job->port, false, false, &job->result);
+        // Before the wake-up: whoever it resumes sees this lookup's slot free.
+        detail::lookups_running.fetch_sub(1, std::memory_order_relaxed);
         job->done.store(true, std::memory_order_release);
         const std::uint64_t one = 1;
         [[maybe_unused]] const auto n = ::write(job->efd, &one, sizeof one);
     }).detach();
+    slot.armed = false;
     int waited = 0;
     try {
         while (!job->done.load(std::memory_order_acquire))

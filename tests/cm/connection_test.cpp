@@ -223,6 +223,50 @@ TEST_CASE("connect's default bound is 15 s per step; no_timeout stands for the c
     CHECK(detail::connect_step_bound(3s) == 3s);
 }
 
+TEST_CASE("host-name lookups on their threads are bounded: a burst of connect()s to a name runs "
+          "at most max_lookup_threads at once; beyond them EAGAIN at once, naming the lookup") {
+    io_context io;
+    constexpr int burst = 32;
+    int over = 0, later_step = 0, other = 0;
+    unsigned peak = 0;
+    auto one = [&]() -> task<void> {
+        connection_options o;
+        o.step_timeout = 5s;
+        try {
+            co_await connect(io, "localhost:7471", o);
+        } catch (const std::system_error& e) {
+            if (errc_of(e) == std::errc::resource_unavailable_try_again &&
+                contains(e.what(), "rdma_getaddrinfo(\"localhost\"") &&
+                contains(e.what(), "lookups already under way"))
+                ++over;
+            else if (!contains(e.what(), "rdma_getaddrinfo"))
+                ++later_step; // resolved; rxe has no loopback
+            else {
+                ++other;
+                MESSAGE(std::string(e.what()));
+            }
+        }
+    };
+    // Every connect() runs to its first suspension (its lookup's wait) before the last child.
+    std::vector<task<void>> all;
+    for (int i = 0; i < burst; ++i)
+        all.push_back(one());
+    auto count = [&]() -> task<void> {
+        peak = detail::lookup_threads();
+        co_return;
+    };
+    all.push_back(count());
+    io.run(when_all(std::move(all)));
+    MESSAGE(burst << " connect()s: " << over << " over the bound, " << later_step << " resolved; "
+                  << peak << " lookups under way at once");
+    CHECK(peak <= detail::max_lookup_threads);
+    CHECK(over + later_step == burst);
+    CHECK(other == 0);
+    CHECK(detail::lookup_threads() == 0);
+}
+
+// Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the
+// request to an address on its subnet that nobody has goes nowhere.
 TEST_CASE("a stop_token ends a connect that waits for an address nobody has: "
           "operation_canceled, at once" *
           doctest::skip(!in_our_vm())) {

@@ -165,12 +165,17 @@ class connection {
 
 // co_await connect(io, "host:port"): resolves the address with rdma_getaddrinfo ("198.18.0.1:7471",
 // "[fe80::1%eth0]:7471", "server.example:7471"; a host name is looked up on a thread of its
-// own, so the loop does not block), then the address and route on the device that reaches it,
+// own, so the loop does not block: at most detail::max_lookup_threads of them in the process at
+// once, each until its lookup ends even when connect() gave up on it), then the address and
+// route on the device that reaches it,
 // makes the qp and connects, each step bounded by options.step_timeout (15 s). `stop` cancels
 // whichever step is under way. A name with several addresses: the first one rdma_getaddrinfo
 // gives is tried. Throws:
-// - std::system_error(EINVAL) naming ringverbs::connect for an address it cannot parse;
-//   naming rdma_getaddrinfo (with gai_strerror's text) for a name it cannot resolve;
+// - std::system_error(EINVAL) naming ringverbs::connect for an address it cannot parse (or
+//   without a host: ":7471", "7471"); naming rdma_getaddrinfo (with gai_strerror's text) for
+//   a name it cannot resolve; EAGAIN naming rdma_getaddrinfo, at once, when
+//   detail::max_lookup_threads host-name lookups are under way already (retry later, or give
+//   a numeric address: those need no thread);
 // - connection_rejected when the peer refused (nothing listens on that port, or rdma_reject);
 // - std::system_error naming the rdma_* step that failed or timed out (timed_out: nobody
 //   answered at that address within step_timeout), or operation_canceled on `stop`;
@@ -249,6 +254,13 @@ std::string address_text(const sockaddr* a);
 // The bound connect() gives each of its steps for connection_options::step_timeout:
 // no_timeout stands for cm_channel_options' default step_timeout (15 s), else it is itself.
 std::chrono::nanoseconds connect_step_bound(std::chrono::nanoseconds step_timeout) noexcept;
+// Host-name lookups connect() runs at once, each on a thread of its own, in the whole process;
+// one more throws EAGAIN. Bounded since a lookup cannot be cancelled: its thread runs until
+// the resolver gives up, and a burst of connect()s to a name whose DNS hangs would pile them
+// up without a bound.
+inline constexpr unsigned max_lookup_threads = 8;
+// Those under way now.
+unsigned lookup_threads() noexcept;
 } // namespace detail
 
 } // namespace ringverbs
