@@ -71,7 +71,12 @@ run_suite engine-gcc build engine
 # tests/consumer built as a Meson subproject and against a staged meson install through
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
 run_suite consumer-gcc build consumer
-run_suite rdma-gcc build "rdma consumer-rdma" vm
+run_suite rdma-gcc build "rdma consumer-rdma hostile" vm
+# A hostile peer (tests/examples/hostile_peer.cpp) against each server, next to a good client.
+if [ -f build/bench-results/hostile.json ]; then
+    echo "hostile.json (build/bench-results/hostile.json):"
+    cat build/bench-results/hostile.json
+fi
 # The soak of the rdma suite (tests/rdma/soak_test.cpp) summarises its run here.
 show_faults() {
     if [ -f build/bench-results/faults.json ]; then

@@ -1,0 +1,324 @@
+// hostile_peer: a client that misbehaves on purpose, on raw librdmacm and libibverbs (no
+// ringverbs, so that it can do what the library would not). tests/examples/hostile_test.py runs
+// each mode against reverse_server and echo_server next to a well-behaved client.
+//
+//   hostile_peer MODE ADDRESS PORT [ARG]
+//
+//   silent SECONDS  sends its connect request, then never reads another rdma_cm event (so
+//                   never sends the RTU: librdmacm sends it while processing the
+//                   CONNECT_RESPONSE), for SECONDS; then exits without cleaning up
+//   vanish          sends its connect request and exits at once (mid-handshake)
+//   flood N         N connect requests at once from one process, then handles what comes for
+//                   up to 20 s (established ones are disconnected); prints what it got
+//   write-imm       connects, then an RDMA WRITE WITH IMMEDIATE of 16 KiB to an address and
+//                   rkey it made up, and one of 0 bytes (each consumes a receive at the server)
+//   oversized BYTES connects and sends one message of BYTES (larger than the server's receives)
+//   after-dreq      connects, sends one message, disconnects, then keeps posting sends
+//   private-data    connects with 56 bytes of garbage as private data (after trying 200, which
+//                   the kernel must refuse), sends one message, disconnects
+//
+// Prints "local port N" once its first id has a port (the server's log names the peer by it),
+// then a line of what happened. Exits 0 when the mode ran, 1 naming the call that failed
+// unexpectedly, 2 on bad usage.
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+#include <rdma/rdma_verbs.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+int fail(const char* call) {
+    std::fprintf(stderr, "hostile_peer: %s: %s\n", call, std::strerror(errno));
+    return 1;
+}
+
+void print_port(rdma_cm_id* id) {
+    std::printf("local port %u\n", static_cast<unsigned>(ntohs(rdma_get_src_port(id))));
+    std::fflush(stdout);
+}
+
+// The next event on `ch` within `ms` (nullptr on timeout).
+rdma_cm_event* next_event(rdma_event_channel* ch, int ms) {
+    pollfd p{ch->fd, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return nullptr;
+    rdma_cm_event* ev = nullptr;
+    if (rdma_get_cm_event(ch, &ev) != 0) return nullptr;
+    return ev;
+}
+
+bool expect(rdma_event_channel* ch, rdma_cm_event_type want) {
+    rdma_cm_event* ev = next_event(ch, 5000);
+    if (ev == nullptr) return false;
+    const bool ok = ev->event == want;
+    if (!ok) std::fprintf(stderr, "hostile_peer: got %s\n", rdma_event_str(ev->event));
+    rdma_ack_cm_event(ev);
+    return ok;
+}
+
+ibv_qp_init_attr small_qp() {
+    ibv_qp_init_attr attr{};
+    attr.qp_type = IBV_QPT_RC;
+    attr.cap.max_send_wr = 8;
+    attr.cap.max_recv_wr = 8;
+    attr.cap.max_send_sge = 1;
+    attr.cap.max_recv_sge = 1;
+    attr.sq_sig_all = 1;
+    return attr;
+}
+
+// An id on `ch` with its address and route resolved and a qp (librdmacm's default PD and CQs).
+rdma_cm_id* prepared_id(rdma_event_channel* ch, const sockaddr_in& to) {
+    rdma_cm_id* id = nullptr;
+    if (rdma_create_id(ch, &id, nullptr, RDMA_PS_TCP) != 0) return nullptr;
+    if (rdma_resolve_addr(id, nullptr, (sockaddr*)&to, 2000) != 0 ||
+        !expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED) || rdma_resolve_route(id, 2000) != 0 ||
+        !expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED))
+        return nullptr;
+    ibv_qp_init_attr attr = small_qp();
+    if (rdma_create_qp(id, nullptr, &attr) != 0) return nullptr;
+    return id;
+}
+
+rdma_conn_param conn_param() {
+    rdma_conn_param p{};
+    p.responder_resources = 1;
+    p.initiator_depth = 1;
+    p.retry_count = 7;
+    p.rnr_retry_count = 7;
+    return p;
+}
+
+// A connected endpoint (synchronous librdmacm), or nullptr.
+rdma_cm_id* connected(const char* address, const char* port, const void* data = nullptr,
+                      std::uint8_t data_len = 0) {
+    rdma_addrinfo hints{};
+    hints.ai_port_space = RDMA_PS_TCP;
+    rdma_addrinfo* found = nullptr;
+    if (rdma_getaddrinfo(address, port, &hints, &found) != 0) return nullptr;
+    ibv_qp_init_attr attr = small_qp();
+    rdma_cm_id* id = nullptr;
+    const int rc = rdma_create_ep(&id, found, nullptr, &attr);
+    rdma_freeaddrinfo(found);
+    if (rc != 0) return nullptr;
+    rdma_conn_param p = conn_param();
+    p.private_data = data;
+    p.private_data_len = data_len;
+    if (rdma_connect(id, &p) != 0) {
+        rdma_destroy_ep(id);
+        return nullptr;
+    }
+    print_port(id);
+    return id;
+}
+
+// Waits for one send-side completion: its status, or -1.
+int send_status(rdma_cm_id* id) {
+    ibv_wc wc{};
+    if (rdma_get_send_comp(id, &wc) <= 0) return -1;
+    return wc.status;
+}
+
+int silent_or_vanish(const sockaddr_in& to, bool vanish, int seconds) {
+    rdma_event_channel* ch = rdma_create_event_channel();
+    if (ch == nullptr) return fail("rdma_create_event_channel");
+    rdma_cm_id* id = prepared_id(ch, to);
+    if (id == nullptr) return fail("resolve / rdma_create_qp");
+    rdma_conn_param p = conn_param();
+    if (rdma_connect(id, &p) != 0) return fail("rdma_connect");
+    print_port(id);
+    if (vanish) {
+        std::printf("vanished after the request\n");
+        std::fflush(stdout);
+        _exit(0);
+    }
+    std::printf("request sent; silent for %d s\n", seconds);
+    std::fflush(stdout);
+    sleep(static_cast<unsigned>(seconds));
+    _exit(0); // no cleanup: the kernel ends what is left
+}
+
+int flood(const sockaddr_in& to, int n) {
+    rdma_event_channel* ch = rdma_create_event_channel();
+    if (ch == nullptr) return fail("rdma_create_event_channel");
+    std::vector<rdma_cm_id*> ids;
+    for (int i = 0; i < n; ++i) {
+        rdma_cm_id* id = prepared_id(ch, to);
+        if (id == nullptr) return fail("resolve / rdma_create_qp");
+        ids.push_back(id);
+    }
+    print_port(ids.front());
+    for (rdma_cm_id* id : ids) {
+        rdma_conn_param p = conn_param();
+        if (rdma_connect(id, &p) != 0) return fail("rdma_connect");
+    }
+    int established = 0, rejected = 0, other = 0, busy = 0;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (established + rejected + other < n && std::chrono::steady_clock::now() < end) {
+        rdma_cm_event* ev = next_event(ch, 1000);
+        if (ev == nullptr) continue;
+        if (ev->event == RDMA_CM_EVENT_ESTABLISHED) {
+            ++established;
+            rdma_disconnect(ev->id);
+        } else if (ev->event == RDMA_CM_EVENT_REJECTED) {
+            ++rejected;
+            const auto* d = static_cast<const char*>(ev->param.conn.private_data);
+            if (d != nullptr && ev->param.conn.private_data_len >= 5 &&
+                std::memcmp(d, "busy:", 5) == 0)
+                ++busy;
+        } else if (ev->event != RDMA_CM_EVENT_DISCONNECTED &&
+                   ev->event != RDMA_CM_EVENT_TIMEWAIT_EXIT) {
+            ++other;
+        }
+        rdma_ack_cm_event(ev);
+    }
+    std::printf("flood: %d requests: %d established, %d rejected (%d busy), %d other\n", n,
+                established, rejected, busy, other);
+    std::fflush(stdout);
+    for (rdma_cm_id* id : ids) {
+        rdma_destroy_qp(id);
+        rdma_destroy_id(id);
+    }
+    rdma_destroy_event_channel(ch);
+    return 0;
+}
+
+int write_imm(const char* address, const char* port) {
+    rdma_cm_id* id = connected(address, port);
+    if (id == nullptr) return fail("connect");
+    std::vector<char> buf(16384, 'w');
+    ibv_mr* mr = rdma_reg_write(id, buf.data(), buf.size());
+    if (mr == nullptr) return fail("rdma_reg_write");
+    int statuses[2];
+    for (int i = 0; i < 2; ++i) {
+        ibv_sge sge{reinterpret_cast<std::uintptr_t>(buf.data()), i == 0 ? 16384u : 0u, mr->lkey};
+        ibv_send_wr wr{};
+        ibv_send_wr* bad = nullptr;
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.imm_data = htonl(0xBAD0 + i);
+        wr.sg_list = i == 0 ? &sge : nullptr;
+        wr.num_sge = i == 0 ? 1 : 0;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.wr.rdma.remote_addr = 0x1000; // made up: the server never told us a region
+        wr.wr.rdma.rkey = 0x1234;
+        if (ibv_post_send(id->qp, &wr, &bad) != 0) return fail("ibv_post_send");
+        statuses[i] = send_status(id);
+    }
+    std::printf("write-imm: 16 KiB: %s; 0 bytes: %s\n",
+                statuses[0] < 0 ? "no completion" : ibv_wc_status_str(ibv_wc_status(statuses[0])),
+                statuses[1] < 0 ? "no completion" : ibv_wc_status_str(ibv_wc_status(statuses[1])));
+    std::fflush(stdout);
+    rdma_disconnect(id);
+    rdma_dereg_mr(mr);
+    rdma_destroy_ep(id);
+    return 0;
+}
+
+int oversized(const char* address, const char* port, std::size_t bytes) {
+    rdma_cm_id* id = connected(address, port);
+    if (id == nullptr) return fail("connect");
+    std::vector<char> buf(bytes, 'o');
+    ibv_mr* mr = rdma_reg_msgs(id, buf.data(), buf.size());
+    if (mr == nullptr) return fail("rdma_reg_msgs");
+    if (rdma_post_send(id, nullptr, buf.data(), buf.size(), mr, 0) != 0)
+        return fail("rdma_post_send");
+    const int st = send_status(id);
+    std::printf("oversized: %zu bytes: %s\n", bytes,
+                st < 0 ? "no completion" : ibv_wc_status_str(ibv_wc_status(st)));
+    std::fflush(stdout);
+    rdma_disconnect(id);
+    rdma_dereg_mr(mr);
+    rdma_destroy_ep(id);
+    return 0;
+}
+
+int after_dreq(const char* address, const char* port) {
+    rdma_cm_id* id = connected(address, port);
+    if (id == nullptr) return fail("connect");
+    char msg[64];
+    std::memset(msg, 'd', sizeof msg);
+    ibv_mr* mr = rdma_reg_msgs(id, msg, sizeof msg);
+    if (mr == nullptr) return fail("rdma_reg_msgs");
+    if (rdma_post_send(id, nullptr, msg, sizeof msg, mr, 0) != 0) return fail("rdma_post_send");
+    const int first = send_status(id);
+    rdma_disconnect(id);
+    int posted = 0, flushed = 0;
+    for (int i = 0; i < 50; ++i) {
+        if (rdma_post_send(id, nullptr, msg, sizeof msg, mr, 0) != 0) break;
+        ++posted;
+        if (send_status(id) == IBV_WC_WR_FLUSH_ERR) ++flushed;
+    }
+    std::printf("after-dreq: first send %s; %d sends after the DREQ, %d flushed\n",
+                first < 0 ? "no completion" : ibv_wc_status_str(ibv_wc_status(first)), posted,
+                flushed);
+    std::fflush(stdout);
+    rdma_dereg_mr(mr);
+    rdma_destroy_ep(id);
+    return 0;
+}
+
+int private_data(const char* address, const char* port) {
+    unsigned char junk[200];
+    for (std::size_t i = 0; i < sizeof junk; ++i)
+        junk[i] = static_cast<unsigned char>(i * 37 + 11);
+    if (rdma_cm_id* id = connected(address, port, junk, 200); id != nullptr) {
+        std::printf("private-data: 200 bytes went out (the kernel should refuse them)\n");
+        rdma_disconnect(id);
+        rdma_destroy_ep(id);
+    }
+    rdma_cm_id* id = connected(address, port, junk, 56);
+    if (id == nullptr) return fail("connect with 56 bytes of private data");
+    char msg[32];
+    std::memset(msg, 'p', sizeof msg);
+    ibv_mr* mr = rdma_reg_msgs(id, msg, sizeof msg);
+    if (mr == nullptr) return fail("rdma_reg_msgs");
+    if (rdma_post_send(id, nullptr, msg, sizeof msg, mr, 0) != 0) return fail("rdma_post_send");
+    const int st = send_status(id);
+    std::printf("private-data: connected with 56 bytes of garbage; send %s\n",
+                st < 0 ? "no completion" : ibv_wc_status_str(ibv_wc_status(st)));
+    std::fflush(stdout);
+    rdma_disconnect(id);
+    rdma_dereg_mr(mr);
+    rdma_destroy_ep(id);
+    return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 4) {
+        std::fprintf(stderr, "usage: hostile_peer MODE ADDRESS PORT [ARG]\n");
+        return 2;
+    }
+    const std::string mode = argv[1];
+    const char* address = argv[2];
+    const char* port = argv[3];
+    const int arg = argc > 4 ? std::atoi(argv[4]) : 0;
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<std::uint16_t>(std::atoi(port)));
+    if (inet_pton(AF_INET, address, &to.sin_addr) != 1) {
+        std::fprintf(stderr, "hostile_peer: not an IPv4 address: %s\n", address);
+        return 2;
+    }
+    if (mode == "silent") return silent_or_vanish(to, false, arg > 0 ? arg : 5);
+    if (mode == "vanish") return silent_or_vanish(to, true, 0);
+    if (mode == "flood") return flood(to, arg > 0 ? arg : 1000);
+    if (mode == "write-imm") return write_imm(address, port);
+    if (mode == "oversized") return oversized(address, port, arg > 0 ? arg : 65536);
+    if (mode == "after-dreq") return after_dreq(address, port);
+    if (mode == "private-data") return private_data(address, port);
+    std::fprintf(stderr, "hostile_peer: unknown mode %s\n", mode.c_str());
+    return 2;
+}

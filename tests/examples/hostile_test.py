@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""A hostile peer next to a well-behaved client, against each server a user starts from.
+
+For every mode of tests/examples/hostile_peer.cpp (silent: a request and never the RTU;
+vanish mid-handshake; a flood of 1,000 requests; a WRITE WITH IMMEDIATE larger than any slot;
+a message larger than the server's receives; sends after its own DREQ; garbage private data)
+and every server (reverse_server: connect()/listener/recv_ring; echo_server with its SRQ,
+--threads 1 and 2: cm_id), while the hostile peer is at it, a good client (reverse_client /
+echo_client) must be served within its normal bound; the server must stay alive; its log must
+name the peer (its port) where the peer got that far; and the server's objects in the kernel's
+restrack (qp, cq, mr, pd, cm_id) must be back to what they were before once the peer is gone.
+Writes build/bench-results/hostile.json: {"cases": [{"mode", "server", "good_client_ok",
+"server_alive", "resources_back", "peer_named", "seconds"}]}. Exits 1 if any case failed, 77
+(skip) without a device.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+BUILD = sys.argv[1] if len(sys.argv) > 1 else "build"
+ADDR = os.environ.get("RINGVERBS_ADDR", "")
+EX = os.path.join(BUILD, "examples")
+PEER = os.path.join(BUILD, "tests", "examples", "hostile_peer")
+TMP = tempfile.mkdtemp(prefix="hostile.")
+
+# mode, extra argument, whether the server sees the peer's address (its log can name it)
+MODES = [
+    ("silent", "8", True),
+    ("vanish", None, False),
+    ("flood", "1000", False),
+    ("write-imm", None, True),
+    ("oversized", "65536", True),
+    ("after-dreq", None, True),
+    ("private-data", None, True),
+]
+
+SERVERS = {
+    "reverse_server": lambda port: [os.path.join(EX, "reverse_server"), f"{ADDR}:{port}"],
+    "echo_server --threads 1": lambda port: [os.path.join(EX, "echo_server"), "--address", ADDR,
+                                             "--port", str(port), "--threads", "1"],
+    "echo_server --threads 2": lambda port: [os.path.join(EX, "echo_server"), "--address", ADDR,
+                                             "--port", str(port), "--threads", "2"],
+}
+
+
+def good_client(server, port, clients=1):
+    """The well-behaved client for `server`, to its end within its bound: (ok, output)."""
+    if server.startswith("reverse"):
+        cmd, want = [os.path.join(EX, "reverse_client"), f"{ADDR}:{port}", "200"], "200/200 replies verified"
+    else:
+        cmd = [os.path.join(EX, "echo_client"), "--address", ADDR, "--port", str(port), "--count", "200",
+               "--clients", str(clients)]
+        want = None
+    # A well-behaved client takes the server's "busy" rejection (reason 28, the application's)
+    # as a reason to come back: echo_client does so itself, reverse_client is retried here.
+    # Every attempt counts against the one 45 s bound.
+    end = time.monotonic() + 45
+    out = ""
+    while time.monotonic() < end:
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False, "the good client did not finish within 45 s"
+        out = (r.stdout + r.stderr).strip()
+        if r.returncode == 0 and (want in out if want else re.search(r"\b(\d+) of \1 messages", out)):
+            return True, out
+        if "rejected by the peer application" not in out:
+            return False, out
+        time.sleep(0.5)
+    return False, out
+
+
+def restrack(pid):
+    counts = {}
+    try:
+        tasks = {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
+    except FileNotFoundError:
+        return None
+    for kind in ("qp", "cq", "mr", "pd", "cm_id"):
+        out = subprocess.run(["rdma", "-j", "resource", "show", kind], capture_output=True, text=True).stdout
+        counts[kind] = sum(1 for o in json.loads(out or "[]") if o.get("pid") in tasks)
+    return counts
+
+
+def run_case(server, mode, arg, named, port):
+    log = os.path.join(TMP, f"{server.split()[0]}.{port}.log")
+    proc = subprocess.Popen(SERVERS[server](port), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    text = lambda: open(log).read()
+    t0 = time.monotonic()
+    deadline = t0 + 20
+    while "listening on" not in text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # The baseline once a first good client came and went (shared PDs, channels, pools made).
+    ok0, out0 = good_client(server, port)
+    if server.endswith("--threads 2"):  # two at once: each thread makes its pool once
+        ok1, out1 = good_client(server, port, clients=2)
+        ok0, out0 = ok0 and ok1, out0 + " / " + out1
+    time.sleep(1)
+    baseline = restrack(proc.pid)
+    cmd = [PEER, mode, ADDR, str(port)] + ([arg] if arg else [])
+    peer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = peer.stdout.readline()  # "local port N" once its request is out (or its error)
+    m = re.match(r"local port (\d+)", first)
+    peer_port = m.group(1) if m else None
+    time.sleep(0.3)
+    ok, out = good_client(server, port)
+    try:
+        rest, _ = peer.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        rest, _ = peer.communicate()
+    alive = proc.poll() is None
+    back = False
+    current = None
+    wait_until = time.monotonic() + 45
+    while alive and time.monotonic() < wait_until:
+        current = restrack(proc.pid)
+        if current == baseline:
+            back = True
+            break
+        time.sleep(0.5)
+    alive = alive and proc.poll() is None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            alive = False
+    # Read after the server's exit: reverse_server's stdout is a file, flushed at exit.
+    peer_named = (bool(peer_port) and f":{peer_port}" in text()) if named else None
+    exit_clean = proc.returncode == 0
+    case = {"mode": mode, "server": server, "good_client_ok": ok and ok0, "server_alive": alive and exit_clean,
+            "resources_back": back, "peer_named": peer_named, "seconds": round(time.monotonic() - t0, 1)}
+    status = "ok" if ok and ok0 and alive and exit_clean and back and peer_named is not False else "FAILED"
+    print(f"{status}: {server} vs {mode}: good client {'ok' if ok else 'FAILED'}, server "
+          f"{'alive' if alive else 'DEAD'} (exit {proc.returncode}), restrack "
+          f"{'back' if back else f'{current} != {baseline}'}, peer named {peer_named}, "
+          f"{case['seconds']} s; peer: {(first + rest).strip()!r}")
+    if status != "ok":
+        print(f"  good client: {out!r} (first: {out0!r})")
+        print("  server log (last 15 lines):\n    " + "\n    ".join(text().splitlines()[-15:]))
+    sys.stdout.flush()
+    return case, status == "ok"
+
+
+def main():
+    if not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+        print("hostile_test: no RDMA device: SKIP (tools/softroce-vm runs this on Soft-RoCE)")
+        return 77
+    if not ADDR:
+        print("hostile_test: RINGVERBS_ADDR is not set: SKIP")
+        return 77
+    only = os.environ.get("HOSTILE_MODES", "").split(",") if os.environ.get("HOSTILE_MODES") else None
+    cases, failed = [], 0
+    port = 21400
+    for server in SERVERS:
+        for mode, arg, named in MODES:
+            if only and mode not in only:
+                continue
+            port += 1
+            case, ok = run_case(server, mode, arg, named, port)
+            cases.append(case)
+            failed += 0 if ok else 1
+    out_dir = os.path.join(BUILD, "bench-results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "hostile.json"), "w") as f:
+        json.dump({"cases": cases}, f, indent=1)
+    print(f"hostile_test: {len(cases)} cases, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
