@@ -597,7 +597,8 @@ TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and wh
         auto receive = [&]() -> task<ibv_wc> {
             co_return co_await shared.recv(local_buffer(mr_in, in));
         };
-        auto send = [&]() -> task<void> { co_await s.send(local_buffer(mr_out, out)); };
+        connection& server_side = s; // clang 14 cannot capture a structured binding
+        auto send = [&]() -> task<void> { co_await server_side.send(local_buffer(mr_out, out)); };
         auto [wc, sent] = co_await when_all(receive(), send());
         (void)sent;
         CHECK(wc.byte_len == 256);
