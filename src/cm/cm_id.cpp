@@ -220,7 +220,10 @@ void cm_channel_state::drain() noexcept {
                 hold->request_data = std::move(data);
                 if (listener->on_request) {
                     // Takes its share of the state; spawns, never resumes anything inline.
-                    listener->on_request(hold, 0);
+                    // A copy: the handler may destroy its listening id (and with it
+                    // the stored function) while it runs.
+                    const auto handler = listener->on_request;
+                    handler(hold, 0);
                 } else if (waiter* w = listener->accept_waiters.pop_front()) {
                     static_cast<cm_accept_waiter*>(w)->taken = hold;
                     w->fulfil(0);
@@ -477,7 +480,8 @@ void cm_id::on_request(std::function<void(cm_id request, int error)> handler) {
     while (!state_->backlog.empty() && state_->on_request) {
         std::shared_ptr<detail::cm_id_state> r = std::move(state_->backlog.front().id);
         state_->backlog.pop_front();
-        state_->on_request(std::move(r), 0);
+        const auto handler = state_->on_request; // may be reset while it runs
+        handler(std::move(r), 0);
     }
 }
 

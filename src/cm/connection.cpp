@@ -655,8 +655,12 @@ std::uint32_t listener::waiting() const noexcept {
 task<connection> listener::accept(wait_options w) {
     const std::shared_ptr<state> s = state_;
     for (;;) {
-        if (w.stop.stop_requested()) // wins over a ready connection: it stays for the next
+        if (w.stop.stop_requested()) { // wins over a ready connection: it stays for the next
+            // This accept() may be the one deliver() woke for it: pass the wake-up on.
+            if (!s->ready.empty())
+                if (detail::waiter* next = s->waiters.pop_front()) next->fulfil(0);
             throw_system_error(ECANCELED, "listener::accept");
+        }
         if (!s->ready.empty()) {
             state::outcome o = std::move(s->ready.front());
             s->ready.pop_front();
