@@ -469,9 +469,8 @@ task<void> serve(worker& owner, device_resources& device, cm_id id, int number) 
 }
 
 // Logs the device's asynchronous events until the server stops. The runtime has already
-// routed each one of the main thread's objects (a CQ overrun fails that CQ, a fatal QP error
-// flushes that QP), so the connection concerned ends on its own; another thread's QP is moved
-// to the error state by the device itself.
+// routed each one to the object it names, on whichever thread owns it (a CQ overrun fails that
+// CQ, a fatal QP error flushes that QP), so the connection concerned ends on its own.
 task<void> log_device_events(echo_server& server, device_events& watch, std::string name) {
     for (;;) {
         async_event event;

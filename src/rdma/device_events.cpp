@@ -150,33 +150,68 @@ void device_events::state::hand_to_next(const async_event& e) noexcept {
     }
 }
 
+namespace {
+
+// What each routed event does to the object it names, on the object's own thread.
+void apply_cq_error(detail::cq_state& c) noexcept {
+    c.error = EOVERFLOW;
+    c.fail_waiters(EOVERFLOW);
+    for (detail::qp_state* q : c.qps)
+        q->to_error();
+}
+void apply_srq_event(detail::srq_state& s, ibv_event_type type) noexcept {
+    if (type == IBV_EVENT_SRQ_LIMIT_REACHED)
+        s.limit_reached();
+    else
+        s.failed();
+}
+void apply_qp_error(detail::qp_state& q, ibv_event_type type) noexcept {
+    q.async_failed = true;
+    q.async_error = type;
+    q.to_error();
+}
+
+} // namespace
+
+// An object of this io_context is acted on here and now. Another thread's is handed to its
+// io_context by post() (under the registry's lock, so that context still lives: its objects
+// are destroyed before it); there the object is looked up again, by address and registration
+// number, because it may have been destroyed, and its address reused, in the meantime.
+template <typename Object, typename State, typename Apply>
+bool device_events::state::deliver(Object* object, State& s, io_context& owner,
+                                   std::uint64_t generation, Apply apply) noexcept {
+    if (&owner == ctx) {
+        apply(s);
+        return true;
+    }
+    try {
+        owner.post([object, generation, apply] {
+            detail::with_object_of(object, generation, [&](State& here) { apply(here); });
+        });
+    } catch (...) {
+        detail::diagnose("device_events: an event for another thread's object was lost (out of "
+                         "memory)");
+        return false;
+    }
+    ++counters.routed_to_other_threads;
+    return true;
+}
+
 void device_events::state::route(async_event& e) noexcept {
     if (e.cq) {
-        detail::with_object(e.cq, [&](detail::cq_state& c) {
-            if (c.channel->ctx != ctx) return; // another thread's: next() only
-            e.routed = true;
-            c.error = EOVERFLOW;
-            c.fail_waiters(EOVERFLOW);
-            for (detail::qp_state* q : c.qps)
-                q->to_error();
+        detail::with_object(e.cq, [&](detail::cq_state& c, std::uint64_t generation) {
+            e.routed = deliver(e.cq, c, *c.channel->ctx, generation, apply_cq_error);
         });
     } else if (e.srq) {
-        detail::with_object(e.srq, [&](detail::srq_state& s) {
-            if (s.ctx != ctx) return; // another thread's: next() only
-            e.routed = true;
-            if (e.type == IBV_EVENT_SRQ_LIMIT_REACHED)
-                s.limit_reached();
-            else
-                s.failed();
+        detail::with_object(e.srq, [&](detail::srq_state& s, std::uint64_t generation) {
+            e.routed = deliver(e.srq, s, *s.ctx, generation,
+                               [type = e.type](detail::srq_state& x) { apply_srq_event(x, type); });
         });
     } else if (e.qp && (e.type == IBV_EVENT_QP_FATAL || e.type == IBV_EVENT_QP_REQ_ERR ||
                         e.type == IBV_EVENT_QP_ACCESS_ERR)) {
-        detail::with_object(e.qp, [&](detail::qp_state& q) {
-            if (q.send_cq->channel->ctx != ctx) return;
-            e.routed = true;
-            q.async_failed = true;
-            q.async_error = e.type;
-            q.to_error();
+        detail::with_object(e.qp, [&](detail::qp_state& q, std::uint64_t generation) {
+            e.routed = deliver(e.qp, q, *q.send_cq->channel->ctx, generation,
+                               [type = e.type](detail::qp_state& x) { apply_qp_error(x, type); });
         });
     }
 }

@@ -7,11 +7,18 @@ namespace ringverbs::detail {
 
 namespace {
 
+template <typename State>
+struct entry {
+    State* state;
+    std::uint64_t generation;
+};
+
 struct registry {
     std::mutex lock;
-    std::unordered_map<ibv_cq*, cq_state*> cqs;
-    std::unordered_map<ibv_qp*, qp_state*> qps;
-    std::unordered_map<ibv_srq*, srq_state*> srqs;
+    std::uint64_t generations = 0; // the last one given
+    std::unordered_map<ibv_cq*, entry<cq_state>> cqs;
+    std::unordered_map<ibv_qp*, entry<qp_state>> qps;
+    std::unordered_map<ibv_srq*, entry<srq_state>> srqs;
 };
 
 registry& the_registry() {
@@ -19,19 +26,27 @@ registry& the_registry() {
     return r;
 }
 
+template <typename Map, typename Key>
+auto* lookup(Map& m, Key key, std::uint64_t& generation) noexcept {
+    auto it = m.find(key);
+    if (it == m.end()) return decltype(it->second.state){nullptr};
+    generation = it->second.generation;
+    return it->second.state;
+}
+
 } // namespace
 
 void register_object(ibv_cq* cq, cq_state* s) {
     std::lock_guard g(the_registry().lock);
-    the_registry().cqs[cq] = s;
+    the_registry().cqs.insert_or_assign(cq, entry<cq_state>{s, ++the_registry().generations});
 }
 void register_object(ibv_qp* qp, qp_state* s) {
     std::lock_guard g(the_registry().lock);
-    the_registry().qps[qp] = s;
+    the_registry().qps.insert_or_assign(qp, entry<qp_state>{s, ++the_registry().generations});
 }
 void register_object(ibv_srq* srq, srq_state* s) {
     std::lock_guard g(the_registry().lock);
-    the_registry().srqs[srq] = s;
+    the_registry().srqs.insert_or_assign(srq, entry<srq_state>{s, ++the_registry().generations});
 }
 void unregister_object(ibv_srq* srq) noexcept {
     std::lock_guard g(the_registry().lock);
@@ -51,20 +66,14 @@ void lock_registry() noexcept {
 void unlock_registry() noexcept {
     the_registry().lock.unlock();
 }
-srq_state* find_object(ibv_srq* srq) noexcept {
-    auto& m = the_registry().srqs;
-    auto it = m.find(srq);
-    return it == m.end() ? nullptr : it->second;
+srq_state* find_object(ibv_srq* srq, std::uint64_t& generation) noexcept {
+    return lookup(the_registry().srqs, srq, generation);
 }
-cq_state* find_object(ibv_cq* cq) noexcept {
-    auto& m = the_registry().cqs;
-    auto it = m.find(cq);
-    return it == m.end() ? nullptr : it->second;
+cq_state* find_object(ibv_cq* cq, std::uint64_t& generation) noexcept {
+    return lookup(the_registry().cqs, cq, generation);
 }
-qp_state* find_object(ibv_qp* qp) noexcept {
-    auto& m = the_registry().qps;
-    auto it = m.find(qp);
-    return it == m.end() ? nullptr : it->second;
+qp_state* find_object(ibv_qp* qp, std::uint64_t& generation) noexcept {
+    return lookup(the_registry().qps, qp, generation);
 }
 
 } // namespace ringverbs::detail

@@ -10,9 +10,12 @@
 
 #include <poll.h>
 
+#include <atomic>
 #include <chrono>
+#include <future>
 #include <memory>
 #include <string>
+#include <thread>
 
 using namespace rt;
 using namespace std::chrono_literals;
@@ -20,6 +23,31 @@ using namespace std::chrono_literals;
 namespace {
 std::errc errc_of(const std::system_error& e) {
     return static_cast<std::errc>(e.code().value());
+}
+
+// Posts `count` signaled RDMA writes on `a` through verbs while no loop polls its CQ.
+void post_writes(qp& a, region& src, region& dst, int count) {
+    for (int i = 0; i < count; ++i) {
+        ibv_sge sge{reinterpret_cast<std::uintptr_t>(src.bytes.data()), 64, src.mr.native()->lkey};
+        ibv_send_wr wr{};
+        wr.wr_id = static_cast<std::uint64_t>(i);
+        wr.sg_list = &sge;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_RDMA_WRITE;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.wr.rdma.remote_addr = dst.remote().addr;
+        wr.wr.rdma.rkey = dst.remote().rkey;
+        a.native_qp().post_send(wr);
+    }
+}
+
+// Runs `io` (the watcher's thread) until `done` or 60 s.
+void run_until(io_context& io, const std::atomic<bool>& done) {
+    auto wait = [&]() -> task<void> {
+        for (int i = 0; i < 6000 && !done.load(); ++i)
+            co_await sleep_for(io, 10ms);
+    };
+    io.run(wait());
 }
 } // namespace
 
@@ -184,4 +212,71 @@ TEST_CASE("device_events: one watcher per context; next() ends by timeout, stop_
     CHECK(err2 == std::errc::operation_canceled);
     device_events after(io, d.ctx); // the context may be watched again
     CHECK(after.queued() == 0);
+}
+
+// Review (issue 22), finding 8: one device_events per ibv_context, and librdmacm gives every id
+// of a device that one context, so with threads the watcher is on one thread and the objects
+// on others. Their events must still reach them (before: "another thread's: next() only", so
+// the cq's next() waited for its own timeout and its qp was not failed).
+TEST_CASE("device_events routes a CQ overrun to a cq of another thread's io_context: its next() "
+          "fails with EOVERFLOW there, its qp is moved to the error state") {
+    device d;
+    io_context watcher_io;
+    device_events events(watcher_io, d.ctx);
+    std::promise<void> overrun_posted;
+    std::atomic<bool> done{false};
+    std::string what;
+    int taken = 0;
+    ibv_qp_state qp_state_after = IBV_QPS_RESET;
+    std::thread owner([&] {
+        io_context io; // the objects' own thread: everything of theirs is made and used here
+        channel ch(io, d.ctx);
+        cq small(ch, cq_options{.entries = 4});
+        cq other(ch);
+        const verbs::qp_caps caps{.max_send_wr = 128,
+                                  .max_recv_wr = 16,
+                                  .max_send_sge = 1,
+                                  .max_recv_sge = 1,
+                                  .max_inline_data = 0};
+        qp a(d.pd, small, small, caps,
+             qp_options{.flush_timeout = std::chrono::milliseconds(300),
+                        .allow_cq_overcommit = true}),
+            b(d.pd, other, other, caps);
+        verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
+                                rdma_device().gid_index, all_remote);
+        region src(d.pd, 64), dst(d.pd, 64);
+        post_writes(a, src, dst, small.capacity() + 16);
+        overrun_posted.set_value();
+        auto drain = [&]() -> task<void> {
+            for (;;) {
+                try {
+                    (void)co_await small.next(wait_options(30s));
+                    ++taken;
+                } catch (const std::system_error& err) {
+                    what = err.what();
+                    co_return;
+                }
+            }
+        };
+        io.run(drain());
+        qp_state_after = a.native_qp().state();
+        done = true;
+    });
+    overrun_posted.get_future().wait();
+    run_until(watcher_io, done);
+    owner.join();
+    MESSAGE("owner thread: " << taken << " completions, then: " << what << "; events read "
+                             << events.counters().events << ", posted to the owner "
+                             << events.counters().routed_to_other_threads);
+    CHECK(what.find("cq::next: IBV_EVENT_CQ_ERR") != std::string::npos);
+    CHECK(taken <= 8);
+    CHECK(qp_state_after == IBV_QPS_ERR);
+    CHECK(events.counters().events >= 1);
+    CHECK(events.counters().routed_to_other_threads >= 1);
+    CHECK(events.counters().routed <= events.counters().events);
+    // next() on the watcher's thread still sees each event, marked routed.
+    auto first = [&]() -> task<async_event> { co_return co_await events.next(wait_options(5s)); };
+    const async_event e = watcher_io.run(first());
+    CHECK(e.type == IBV_EVENT_CQ_ERR);
+    CHECK(e.routed);
 }

@@ -8,6 +8,7 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +16,8 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <string>
+#include <thread>
 #include <vector>
 
 using namespace rt;
@@ -199,6 +202,63 @@ TEST_CASE("srq: low_water(n) sleeps until fewer than n receives are left posted 
     CHECK(posted_before_low_water == int{slots - low + 1});
     MESSAGE("low_water(" << low << ") resumed with " << posted_before_low_water << " of " << slots
                          << " receives taken or being taken");
+}
+
+// Review (issue 22), finding 8: with the watcher (device_events) on one thread and the srq on
+// another, IBV_EVENT_SRQ_LIMIT_REACHED must still reach the srq (before: next() only, so
+// limit_events() stayed 0 and an SRQ_ERR would never have failed its waiters). low_water()
+// itself also resumes from the srq's own count of posted receives, as the pool's completions
+// are taken, so the event is what this case counts.
+TEST_CASE("srq: IBV_EVENT_SRQ_LIMIT_REACHED reaches an srq on another thread than device_events "
+          "(posted to the srq's io_context), and its low_water(n) resumes there") {
+    device dev;
+    io_context watcher_io;
+    device_events events(watcher_io, dev.ctx);
+    std::atomic<bool> done{false};
+    int posted_before_low_water = -1;
+    std::uint64_t limit_events = 0;
+    std::string failure;
+    std::thread owner([&] {
+        io_context io;
+        shared_pair p(dev, io);
+        constexpr std::uint32_t slots = 8, low = 4;
+        region in(dev.pd, slots * message_size), out(dev.pd, message_size);
+        for (std::uint32_t i = 0; i < slots; ++i)
+            p.shared.post_recv(in.local(i * message_size, message_size), i);
+        int posted = 0;
+        auto refiller = [&]() -> task<void> {
+            try {
+                co_await p.shared.low_water(low, wait_options(30s));
+                posted_before_low_water = posted;
+            } catch (const std::system_error& e) {
+                failure = e.what();
+            }
+        };
+        auto sender = [&]() -> task<void> {
+            while (posted_before_low_water < 0 && failure.empty() && posted < int{slots}) {
+                ++posted;
+                ibv_wc wc = co_await p.a1->send(out.all());
+                (void)wc;
+                co_await sleep_for(io, 20ms);
+            }
+        };
+        io.run(when_all(refiller(), sender()));
+        limit_events = p.shared.limit_events();
+        done = true;
+    });
+    auto wait = [&]() -> task<void> {
+        for (int i = 0; i < 6000 && !done.load(); ++i)
+            co_await sleep_for(watcher_io, 10ms);
+    };
+    watcher_io.run(wait());
+    owner.join();
+    MESSAGE("low_water resumed with " << posted_before_low_water << " sent; failure '" << failure
+                                      << "'; posted to the owner "
+                                      << events.counters().routed_to_other_threads);
+    CHECK(failure.empty());
+    CHECK(posted_before_low_water == 5);
+    CHECK(limit_events == 1);
+    CHECK(events.counters().routed_to_other_threads == 1);
 }
 
 TEST_CASE("srq: the QPs go, then the srq handle: a receive still owed ends with a flush when the "

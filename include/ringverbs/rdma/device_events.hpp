@@ -30,7 +30,8 @@ struct async_event {
     std::uint32_t qp_num = 0; // of `qp`
     ibv_srq* srq = nullptr;   // SRQ_ERR, SRQ_LIMIT_REACHED
     int port = 0;             // PORT_ACTIVE, PORT_ERR, LID/PKEY/GID_CHANGE, SM_CHANGE, ...
-    // The event reached a ringverbs cq or qp of this io_context (see device_events).
+    // The event reached the ringverbs cq, qp or srq it names (see device_events): acted on at
+    // once when the object belongs to this io_context, or handed to its own io_context.
     bool routed = false;
     const char* name() const noexcept { return ibv_event_type_str(type); }
 };
@@ -38,21 +39,26 @@ struct async_event {
 struct device_events_counters {
     std::uint64_t wakeups = 0; // times the async fd was reported readable
     std::uint64_t events = 0;  // events read (each acked at once)
-    std::uint64_t routed = 0;  // of those, handed to a ringverbs cq or qp
+    std::uint64_t routed = 0;  // of those, handed to a ringverbs cq, qp or srq
+    // of `routed`, posted to another io_context (the object's owner thread)
+    std::uint64_t routed_to_other_threads = 0;
 };
 
 // Watches `device`'s async events on `ctx` (the fd is made O_NONBLOCK). One per ibv_context:
 // a second one on the same context throws (EBUSY).
 //
-// Routing, before next() sees the event, for the cqs and qps of this io_context made on this
-// ibv_context (an ibv_context reports only its own objects: give each thread its own context
-// when several threads own CQs and QPs):
+// Routing, before next() sees the event, for the cqs, qps and srqs made on this ibv_context,
+// whichever io_context owns them (librdmacm gives every id of a device one ibv_context, so one
+// watcher serves every thread's connections). An object of this io_context is acted on at
+// once; another thread's is handed to its owner with io_context::post() and acted on there
+// when that loop next runs (if the object still exists then):
 // - IBV_EVENT_CQ_ERR (the CQ overran: completions are lost): the cq's next() waiters resume
 //   with std::system_error(EOVERFLOW) "cq::next: IBV_EVENT_CQ_ERR", and so does every later
 //   next() once the completions polled before are taken;
 //   every qp using that CQ is moved to the error state.
 // - IBV_EVENT_QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR: the qp is moved to the error state (if the
 //   device has not), so its pending awaits resume with their flush completions.
+// - IBV_EVENT_SRQ_LIMIT_REACHED: the srq's low_water() waiters resume; SRQ_ERR fails them.
 // - the others only go to next().
 // Every event is acked right after it was copied, so no ibv_destroy_cq/qp ever waits for us.
 //
@@ -92,6 +98,9 @@ class device_events {
         void drain() noexcept;
         void hand_to_next(const async_event& e) noexcept;
         void route(async_event& e) noexcept;
+        template <typename Object, typename State, typename Apply>
+        bool deliver(Object* object, State& s, io_context& owner, std::uint64_t generation,
+                     Apply apply) noexcept;
         void fail(int err) noexcept;
     };
 

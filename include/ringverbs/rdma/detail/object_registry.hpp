@@ -8,6 +8,9 @@
 
 #include <infiniband/verbs.h>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace ringverbs::detail {
 
 struct cq_state;
@@ -22,23 +25,44 @@ void unregister_object(ibv_cq* cq) noexcept;
 void unregister_object(ibv_qp* qp) noexcept;
 void unregister_object(ibv_srq* srq) noexcept;
 
-// The lock and lookups behind with_object.
+// The lock and lookups behind with_object. `generation` receives the number the registration
+// was given: unique for the process's lifetime, so that a lookup made later (on another thread,
+// after the verbs object may have been destroyed and its address reused) can tell the object it
+// meant from a newer one at the same address.
 void lock_registry() noexcept;
 void unlock_registry() noexcept;
-cq_state* find_object(ibv_cq* cq) noexcept;
-qp_state* find_object(ibv_qp* qp) noexcept;
-srq_state* find_object(ibv_srq* srq) noexcept;
+cq_state* find_object(ibv_cq* cq, std::uint64_t& generation) noexcept;
+qp_state* find_object(ibv_qp* qp, std::uint64_t& generation) noexcept;
+srq_state* find_object(ibv_srq* srq, std::uint64_t& generation) noexcept;
 
-// Calls fn(state) under the registry's lock when `object` (an ibv_cq* or ibv_qp*) is ours and
-// lives, and returns true; the state cannot be destroyed meanwhile. fn must not create or
-// destroy runtime objects.
+// Calls fn(state) (or fn(state, generation)) under the registry's lock when `object` (an
+// ibv_cq*, ibv_qp* or ibv_srq*) is ours and lives, and returns true; the state cannot be
+// destroyed meanwhile. fn must not create or destroy runtime objects.
 template <typename Object, typename Fn>
 bool with_object(Object* object, Fn&& fn) {
     lock_registry();
-    auto* s = find_object(object);
-    if (s) fn(*s);
+    std::uint64_t generation = 0;
+    auto* s = find_object(object, generation);
+    if (s) {
+        if constexpr (std::is_invocable_v<Fn&, decltype(*s), std::uint64_t>)
+            fn(*s, generation);
+        else
+            fn(*s);
+    }
     unlock_registry();
     return s != nullptr;
+}
+
+// with_object, only when `object` is still the registration numbered `generation`.
+template <typename Object, typename Fn>
+bool with_object_of(Object* object, std::uint64_t generation, Fn&& fn) {
+    lock_registry();
+    std::uint64_t now = 0;
+    auto* s = find_object(object, now);
+    const bool same = s != nullptr && now == generation;
+    if (same) fn(*s);
+    unlock_registry();
+    return same;
 }
 
 } // namespace ringverbs::detail
