@@ -34,7 +34,7 @@ if ! "$here/install-deps.sh" "linux-source-$series" "linux-headers-$kver" make; 
   say "cannot build siw.ko for $kver without those packages"
   exit 77
 fi
-[ -f "$tarball" ] && [ -f "$headers/Makefile" ] || { say "missing $tarball or $headers"; exit 1; }
+if [ ! -f "$tarball" ] || [ ! -f "$headers/Makefile" ]; then say "missing $tarball or $headers"; exit 1; fi
 
 src_version=$(dpkg-query -W -f='${Version}' "linux-source-$series")
 hdr_version=$(dpkg-query -W -f='${Version}' "linux-headers-$kver")
