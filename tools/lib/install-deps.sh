@@ -6,7 +6,10 @@
 #                                    then ringverbs_install_deps [--check] [PACKAGE...] is defined)
 #
 # With no PACKAGE, the whole list below: building (meson, compilers, liburing, rdma-core headers,
-# doctest), the Soft-RoCE VM of tools/softroce-vm, and the RDMA tools (perftest).
+# doctest), the Soft-RoCE VM of tools/softroce-vm, and the RDMA tools (perftest). Not in the list:
+# what `tools/softroce-vm -p siw` needs to build siw.ko (linux-source-6.1, the guest kernel's
+# linux-headers-<kver>, make): tools/lib/build-siw.sh installs those through this script when
+# it first builds it, since the headers' name follows the guest kernel.
 # Fast path: when dpkg says everything is installed, nothing else runs (no apt, no network).
 # Otherwise, as root: one `apt-get update`, then one
 # `apt-get install -y --no-install-recommends` of the missing ones. Not root, or --check: names
@@ -33,7 +36,7 @@ ringverbs_install_deps() {
     case $p in
       --check) check_only=1 ;;
       -h | --help)
-        sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         return 0
         ;;
       *) wanted+=("$p") ;;
