@@ -56,6 +56,14 @@ int main(int argc, char** argv) {
         }
         verbs::context dev =
             device_name.empty() ? verbs::context(devices[0]) : verbs::context(device_name);
+        if (dev.native()->device->transport_type == IBV_TRANSPORT_IWARP) {
+            // Connected by hand below (INIT, RTR, RTS), which iWARP does not allow.
+            std::fprintf(stderr,
+                         "rdma_pingpong: %s is an iWARP device; this example connects its QPs by "
+                         "hand (InfiniBand/RoCE only): see reverse_server/reverse_client\n",
+                         std::string(dev.name()).c_str());
+            return 77;
+        }
         std::uint8_t port = dev.first_active_port().value_or(1);
         std::uint32_t gid = dev.find_gid_index(port).value_or(0);
         verbs::protection_domain pd(dev);

@@ -13,9 +13,33 @@ namespace ringverbs {
 
 namespace detail {
 
+namespace {
+
+// Soft-iWARP's IEEE OUI-like vendor id ("bmt"). siw (Linux 6.1 at least) completes every
+// receive with SIW_WQE_SIGNALLED instead of the receive's own flags (siw_rqe_complete), so a CQ
+// armed solicited-only never raises an event for a solicited receive.
+constexpr std::uint32_t siw_vendor_id = 0x626d74;
+
+bool raises_solicited_events(channel_state& ch) noexcept {
+    if (ch.solicited_events < 0) {
+        ibv_device_attr attr{};
+        const bool siw = ibv_query_device(ch.device.native(), &attr) == 0 &&
+                         attr.vendor_id == siw_vendor_id;
+        ch.solicited_events = siw ? 0 : 1;
+        if (siw)
+            diagnose("%s: the device never raises an event for a solicited receive (siw): CQs "
+                     "asked to be armed solicited-only are armed for every completion",
+                     ibv_get_device_name(ch.device.native()->device));
+    }
+    return ch.solicited_events == 1;
+}
+
+} // namespace
+
 cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited)
     : channel(std::move(ch)), cq(channel->device, entries, &channel->channel, comp_vector, this),
-      solicited_only(solicited) {
+      solicited_only(solicited),
+      arm_solicited(solicited && raises_solicited_events(*channel)) {
     unsignaled.owner = this;
     unsignaled.on_wc = [](wr_op* op, const ibv_wc& wc, bool) noexcept {
         if (wc.status == IBV_WC_SUCCESS) return; // a QP made with sq_sig_all
@@ -34,7 +58,7 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
     channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass
     if (channel->options.mode != polling_mode::busy && !channel->spinning) {
         try {
-            cq.req_notify(solicited_only);
+            cq.req_notify(arm_solicited);
             set_armed(true);
             ++counters.arms;
             ++channel->counters.arms;
@@ -62,7 +86,7 @@ cq_state::~cq_state() {
 }
 
 void cq_state::arm() noexcept {
-    const int rc = hooks().req_notify_cq(cq.native(), solicited_only ? 1 : 0);
+    const int rc = hooks().req_notify_cq(cq.native(), arm_solicited ? 1 : 0);
     if (rc == 0) [[likely]] {
         set_armed(true);
         ++counters.arms;

@@ -169,9 +169,12 @@ void qp_state::to_error() noexcept {
 
 void qp_state::posting_while_in_error() noexcept {
     // The user may have reset and connected the QP again since (through native_qp(), which
-    // we do not see): ask the device. Only on this path, never on a healthy QP's posts.
+    // we do not see): ask the device. Only on this path, never on a healthy QP's posts. RESET
+    // does not count as out of error: a device that never reports the state says RESET (siw:
+    // ibv_query_qp leaves qp_state 0), and a QP really in RESET takes no posts anyway.
     try {
-        if (qp.state() != IBV_QPS_ERR) {
+        const ibv_qp_state now = qp.state();
+        if (now != IBV_QPS_ERR && now != IBV_QPS_RESET) {
             in_error = false;
             return;
         }

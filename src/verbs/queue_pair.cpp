@@ -156,6 +156,11 @@ void connect_loopback(queue_pair& a, queue_pair& b, std::uint8_t port, std::uint
     ibv_context* ctx = a.native()->context;
     if (ctx->device != b.native()->context->device)
         throw_system_error(EINVAL, "connect_loopback: the two QPs belong to different devices");
+    if (ctx->device->transport_type == IBV_TRANSPORT_IWARP)
+        throw_system_error(EOPNOTSUPP,
+                           std::string("connect_loopback: ") + ibv_get_device_name(ctx->device) +
+                               " is an iWARP device, whose QPs are connected only by the iWARP "
+                               "connection manager (connect(), listener, cm_id)");
 
     ibv_port_attr port_attr{};
     if (const int ret = ibv_query_port(ctx, port, &port_attr); ret != 0)

@@ -85,8 +85,7 @@ TEST_CASE("srq: a receive pool refilled through cq::next() allocates nothing per
                               .max_inline_data = 64};
     qp a(dev.pd, senders, senders, caps);
     qp b(dev.pd, receivers, receivers, caps, qp_options{.shared_receive_queue = &shared});
-    verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
-                            rdma_device().gid_index, all_remote);
+    auto link = connect_pair(a.native_qp(), b.native_qp(), all_remote);
     constexpr std::uint64_t slots = 8;
     region out(dev.pd, 64), in(dev.pd, 64 * slots);
     for (std::uint64_t slot = 0; slot < slots; ++slot)

@@ -44,10 +44,10 @@ TEST_CASE("64 CQs on one channel with interleaved traffic: every completion acco
     for (int i = 0; i < 2 * pairs; ++i)
         qps.push_back(std::make_unique<qp>(dev.pd, *cqs[static_cast<std::size_t>(i)],
                                            *cqs[static_cast<std::size_t>(i)]));
+    std::vector<pair_link> links;
     for (int p = 0; p < pairs; ++p)
-        verbs::connect_loopback(qps[static_cast<std::size_t>(2 * p)]->native_qp(),
-                                qps[static_cast<std::size_t>(2 * p + 1)]->native_qp(),
-                                rdma_device().port, rdma_device().gid_index);
+        links.push_back(connect_pair(qps[static_cast<std::size_t>(2 * p)]->native_qp(),
+                                     qps[static_cast<std::size_t>(2 * p + 1)]->native_qp()));
     region out(dev.pd, pairs * 256), in(dev.pd, pairs * 256);
     int ok = 0;
     auto pair_traffic = [&](int p) -> task<void> {
@@ -82,10 +82,8 @@ TEST_CASE("when two channels are ready in the same pass, the higher priority res
     cq cq_low(low), cq_high(high), cq_send(low);
     qp src_low(dev.pd, cq_send, cq_send), dst_low(dev.pd, cq_low, cq_low);
     qp src_high(dev.pd, cq_send, cq_send), dst_high(dev.pd, cq_high, cq_high);
-    verbs::connect_loopback(src_low.native_qp(), dst_low.native_qp(), rdma_device().port,
-                            rdma_device().gid_index);
-    verbs::connect_loopback(src_high.native_qp(), dst_high.native_qp(), rdma_device().port,
-                            rdma_device().gid_index);
+    auto link_low = connect_pair(src_low.native_qp(), dst_low.native_qp());
+    auto link_high = connect_pair(src_high.native_qp(), dst_high.native_qp());
     region buf(dev.pd, 4096);
     int both_in_one_pass = 0;
     for (int round = 0; round < 20; ++round) {
@@ -267,8 +265,7 @@ TEST_CASE("teardown in any order: no hang, pending awaiters resume with an error
         auto c = std::make_unique<cq>(*ch);
         auto a = std::make_unique<qp>(dev.pd, *c, *c);
         auto b = std::make_unique<qp>(dev.pd, *c, *c);
-        verbs::connect_loopback(a->native_qp(), b->native_qp(), rdma_device().port,
-                                rdma_device().gid_index);
+        auto link = connect_pair(a->native_qp(), b->native_qp());
         region buf(dev.pd, 256);
         // One exchange so that the CQ has an unacked event (ack_batch is large).
         auto first = [&]() -> task<bool> {
@@ -348,10 +345,10 @@ TEST_CASE("4096 CQs on one channel: a burst that completes on every one is deliv
         cqs.push_back(std::make_unique<cq>(ch, cq_options{.entries = 4}));
         qps.push_back(std::make_unique<qp>(dev.pd, *cqs.back(), *cqs.back(), caps));
     }
+    std::vector<pair_link> links;
     for (int p = 0; p < pairs; ++p)
-        verbs::connect_loopback(qps[static_cast<std::size_t>(2 * p)]->native_qp(),
-                                qps[static_cast<std::size_t>(2 * p + 1)]->native_qp(),
-                                rdma_device().port, rdma_device().gid_index);
+        links.push_back(connect_pair(qps[static_cast<std::size_t>(2 * p)]->native_qp(),
+                                     qps[static_cast<std::size_t>(2 * p + 1)]->native_qp()));
     region in(dev.pd, pairs * 8);
     std::vector<std::uint64_t> out(pairs);
     int delivered = 0;

@@ -61,7 +61,8 @@ TEST_CASE("send with immediate data, inline and solicited") {
     CHECK(swc.status == IBV_WC_SUCCESS);
 }
 
-TEST_CASE("RDMA write, write with immediate, read, compare-and-swap, fetch-and-add") {
+TEST_CASE("RDMA write, write with immediate, read, compare-and-swap, fetch-and-add" *
+          doctest::test_suite(ringverbs::test::ib_roce_only)) {
     device dev;
     io_context io;
     loopback lp(dev, io);
@@ -309,6 +310,7 @@ struct detachable_pair {
     cq cq_b;
     std::unique_ptr<qp> a;
     qp b;
+    pair_link link; // on iWARP the connection, which goes before the QPs
     detachable_pair(device& d, io_context& io)
         : ch(io, d.ctx), cq_a(ch), cq_b(ch),
           a(std::make_unique<qp>(d.pd, cq_a, cq_a,
@@ -318,16 +320,16 @@ struct detachable_pair {
                                                 .max_recv_sge = 1,
                                                 .max_inline_data = 64})),
           b(d.pd, cq_b, cq_b) {
-        verbs::connect_loopback(a->native_qp(), b.native_qp(), rdma_device().port,
-                                rdma_device().gid_index, all_remote,
-                                verbs::rts_params{.rnr_retry = 7});
+        link = connect_pair(a->native_qp(), b.native_qp(), all_remote,
+                            verbs::rts_params{.rnr_retry = 7});
     }
 };
 
 } // namespace
 
 TEST_CASE("a peer that never posts a receive: the send ends with a completion_error naming RNR "
-          "(finite rnr_retry by default), and the peer's QP is untouched") {
+          "(finite rnr_retry by default), and the peer's QP is untouched" *
+          doctest::test_suite(ringverbs::test::ib_roce_only)) {
     device dev;
     io_context io;
     loopback lp(dev, io); // default rts_params: rnr_retry 6

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "rdma_test_device.hpp"
+#include "rdma_test_pair.hpp"
 
 #include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/rdma/channel.hpp>
@@ -20,11 +21,29 @@
 namespace rt {
 
 using namespace ringverbs;
+using ringverbs::test::connect_pair;
+using ringverbs::test::pair_link;
 using ringverbs::test::rdma_device;
 
 inline constexpr verbs::access all_remote =
     verbs::access::local_write | verbs::access::remote_write | verbs::access::remote_read |
     verbs::access::remote_atomic;
+
+// Whether ibv_query_qp tells a QP's state: not on siw (Linux 6.1's siw_query_qp leaves
+// qp_state 0, RESET, whatever the state).
+inline bool device_reports_qp_state() {
+    return !rdma_device().siw;
+}
+// The QP is in the error state: the device's word where it reports states, else the runtime's
+// own record (qp::in_error()).
+inline bool in_error_state(qp& q) {
+    return device_reports_qp_state() ? q.native_qp().state() == IBV_QPS_ERR : q.in_error();
+}
+// The QP is connected and usable: RTS where the device reports states, else not in error by
+// the runtime's record.
+inline bool ready_state(qp& q) {
+    return device_reports_qp_state() ? q.native_qp().state() == IBV_QPS_RTS : !q.in_error();
+}
 
 // A registered buffer.
 struct region {
@@ -55,6 +74,7 @@ struct loopback {
     cq cq_b;
     qp a;
     qp b;
+    pair_link link; // last: on iWARP it holds the connection, which goes before the QPs
     loopback(device& d, io_context& ctx, channel_options opts = {},
              verbs::qp_caps caps = {.max_send_wr = 256,
                                     .max_recv_wr = 256,
@@ -63,8 +83,7 @@ struct loopback {
                                     .max_inline_data = 64})
         : dev(d), io(ctx), ch(ctx, d.ctx, opts), cq_a(ch), cq_b(ch), a(d.pd, cq_a, cq_a, caps),
           b(d.pd, cq_b, cq_b, caps) {
-        verbs::connect_loopback(a.native_qp(), b.native_qp(), rdma_device().port,
-                                rdma_device().gid_index, all_remote);
+        link = connect_pair(a.native_qp(), b.native_qp(), all_remote);
     }
 };
 

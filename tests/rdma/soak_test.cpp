@@ -114,6 +114,7 @@ struct pair_state {
     cq* cq_a = nullptr;
     cq* cq_b = nullptr;
     std::unique_ptr<qp> a, b;
+    pair_link link; // on iWARP the connection (reset before the QPs are)
     std::unique_ptr<region> out, in, spare;
     std::stop_source stop;
     bool over = false; // the epoch ends: streams start no new exchange
@@ -315,8 +316,9 @@ class soak {
     }
 
     // A QP the bounded flush moved to RESET stays there (rxe refuses RESET -> ERR: EINVAL).
+    // siw reports no state (always RESET) and takes ERR from any state.
     static void to_error_unless_reset(qp& q) {
-        if (q.native_qp().state() != IBV_QPS_RESET) q.to_error();
+        if (!device_reports_qp_state() || q.native_qp().state() != IBV_QPS_RESET) q.to_error();
     }
 
     // A stream's exchange failed: both QPs to error, so that every request of the epoch ends
@@ -332,13 +334,13 @@ class soak {
         connect(p);
     }
     void reset_and_connect(pair_state& p) {
+        p.link.reset(); // iWARP: the old connection ends before its QPs are reset
         p.a->native_qp().reset();
         p.b->native_qp().reset();
         connect(p);
     }
     static void connect(pair_state& p) {
-        verbs::connect_loopback(p.a->native_qp(), p.b->native_qp(), rdma_device().port,
-                                rdma_device().gid_index, all_remote);
+        p.link = connect_pair(p.a->native_qp(), p.b->native_qp(), all_remote);
     }
 
   private:

@@ -35,6 +35,7 @@ struct shared_pair {
     cq receivers_cq;
     srq shared;
     std::unique_ptr<qp> a1, a2, b1, b2;
+    pair_link link1, link2; // on iWARP the connections, which go before the QPs
     shared_pair(device& d, io_context& io, srq_options o = {})
         : ch(io, d.ctx), senders_cq(ch), receivers_cq(ch, cq_options{.entries = 4096}),
           shared(io, d.pd, o) {
@@ -48,10 +49,8 @@ struct shared_pair {
         a2 = std::make_unique<qp>(d.pd, senders_cq, senders_cq, caps);
         b1 = std::make_unique<qp>(d.pd, receivers_cq, receivers_cq, caps, on_srq);
         b2 = std::make_unique<qp>(d.pd, receivers_cq, receivers_cq, caps, on_srq);
-        verbs::connect_loopback(a1->native_qp(), b1->native_qp(), rdma_device().port,
-                                rdma_device().gid_index, all_remote);
-        verbs::connect_loopback(a2->native_qp(), b2->native_qp(), rdma_device().port,
-                                rdma_device().gid_index, all_remote);
+        link1 = connect_pair(a1->native_qp(), b1->native_qp(), all_remote);
+        link2 = connect_pair(a2->native_qp(), b2->native_qp(), all_remote);
     }
 };
 

@@ -63,7 +63,7 @@ TEST_CASE(
     verbs::completion_channel fresh(lp.ctx);
     verbs::completion_queue cq(lp.ctx, 16, &fresh);
     verbs::queue_pair a(lp.pd, cq, cq), b(lp.pd, cq, cq);
-    verbs::connect_loopback(a, b, rdma_device().port, rdma_device().gid_index);
+    auto link = connect_pair(a, b);
     std::vector<std::byte> src(256), dst(256);
     fill_pattern(src, 77);
     verbs::memory_region smr(lp.pd, src, verbs::access::none), dmr(lp.pd, dst);

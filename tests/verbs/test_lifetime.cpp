@@ -191,7 +191,7 @@ TEST_CASE("wrappers destroyed before their children: the children keep working")
     pd.reset();
     ctx.reset();
     if (base) CHECK(show_counts(rdma_resource_counts(rdma_device().name)) == show_counts(base));
-    verbs::connect_loopback(a, b, rdma_device().port, rdma_device().gid_index);
+    auto link = connect_pair(a, b);
 
     post_recv_into(b, dst_mr, 2);
     post_send_from(a, src_mr, 1);

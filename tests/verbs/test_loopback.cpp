@@ -33,7 +33,8 @@ ibv_send_wr rdma_wr(std::uint64_t id, ibv_wr_opcode op, ibv_sge& sge,
 
 } // namespace
 
-TEST_CASE("the RC state machine: RESET, INIT, RTR, RTS, ERROR and back") {
+TEST_CASE("the RC state machine: RESET, INIT, RTR, RTS, ERROR and back" *
+          doctest::test_suite(ib_roce_only)) {
     verbs::context ctx(rdma_device().name);
     verbs::protection_domain pd(ctx);
     verbs::completion_channel ch(ctx);
@@ -155,7 +156,7 @@ TEST_CASE("inline sends need no memory region") {
     CHECK(src == dst);
 }
 
-TEST_CASE("RDMA write, with and without immediate data") {
+TEST_CASE("RDMA write, with and without immediate data" * doctest::test_suite(ib_roce_only)) {
     loopback lp(verbs::access::remote_write);
     for (std::size_t size : {std::size_t{8}, std::size_t{4096}, std::size_t{1} << 20}) {
         CAPTURE(size);

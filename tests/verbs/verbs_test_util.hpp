@@ -3,6 +3,7 @@
 #pragma once
 
 #include "rdma_test_device.hpp"
+#include "rdma_test_pair.hpp"
 
 #include <ringverbs/verbs.hpp>
 
@@ -133,12 +134,13 @@ struct loopback {
     verbs::completion_queue cq;
     verbs::queue_pair a;
     verbs::queue_pair b;
+    pair_link link; // last: on iWARP it holds the connection, which goes before the QPs
 
     explicit loopback(verbs::access remote_rights = verbs::access::none, int comp_vector = 0,
                       verbs::qp_caps caps = {})
         : ctx(rdma_device().name), pd(ctx), channel(ctx), cq(ctx, 256, &channel, comp_vector, this),
           a(pd, cq, cq, caps), b(pd, cq, cq, caps) {
-        verbs::connect_loopback(a, b, rdma_device().port, rdma_device().gid_index, remote_rights);
+        link = connect_pair(a, b, remote_rights);
     }
 
     std::vector<ibv_wc> wait(std::size_t n) { return wait_completions(cq, channel, n); }

@@ -23,7 +23,11 @@ struct cq_options {
     // otherwise that vector (0 .. num_comp_vectors() - 1).
     int comp_vector = -1;
     // Arm with solicited_only: events only for receives that carry IBV_SEND_SOLICITED (and for
-    // errors). Completions are still all polled whenever the CQ is serviced.
+    // errors). Completions are still all polled whenever the CQ is serviced. Sends awaited on
+    // such a CQ are refused (EINVAL), on every device. On a device that never raises the event
+    // for a solicited receive (Soft-iWARP: Linux 6.1's siw completes receives without the
+    // solicited flag), the CQ is armed for every completion instead, said once to the
+    // diagnostics sink: more wakeups, nothing missed; armed_solicited_only() tells which.
     bool solicited_only = false;
 };
 
@@ -62,6 +66,8 @@ class cq {
     const cq_counters& counters() const noexcept { return state_->counters; }
     int comp_vector() const noexcept { return state_->cq.comp_vector(); }
     int capacity() const noexcept { return state_->cq.capacity(); }
+    // Armed solicited-only (cq_options::solicited_only, on a device that honours it).
+    bool armed_solicited_only() const noexcept { return state_->arm_solicited; }
     ibv_cq* native() const noexcept { return state_->cq.native(); }
     const verbs::completion_queue& native_cq() const noexcept { return state_->cq; }
     // Completions buffered for next() consumers.

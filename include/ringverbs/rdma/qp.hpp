@@ -137,6 +137,11 @@ class qp {
     // Requests posted through this qp whose completion has not arrived (the forced-signaled
     // ones of unsignaled sends included; unsignaled ones, which are owed none, not).
     std::size_t pending() const noexcept { return state_->pending_count; }
+    // The runtime moved this QP to the error state (a failed completion, a stop or timeout of
+    // a posted request, a fatal async event, a disconnect, to_error()), and no post since
+    // found it out of that state. Devices differ in what ibv_query_qp tells (Linux 6.1's siw
+    // never reports a QP's state), so this is the runtime's own record.
+    bool in_error() const noexcept { return state_->in_error; }
     // Unsignaled sends and writes (send_options::signaled = false): one in this many is
     // posted signaled. A quarter of the send queue's capacity, at most 64, at least 1.
     std::uint32_t signal_interval() const noexcept { return state_->signal_interval; }

@@ -166,7 +166,8 @@ class queue_pair {
 // (RoCE: traffic loops back inside the device). Uses the port's active MTU, the device's largest
 // RDMA read depth (capped at 16), and distinct PSNs; both QPs end in RTS granting
 // `remote_rights`. The QPs must be in RESET. Throws std::system_error naming the verb that failed
-// (ibv_query_port, ibv_query_gid_ex, ibv_modify_qp).
+// (ibv_query_port, ibv_query_gid_ex, ibv_modify_qp); EOPNOTSUPP on an iWARP device, whose QPs only
+// the iWARP connection manager connects (rdma_cm: connect(), listener, cm_id).
 // `send_side` gives the retransmission behaviour (timeout, retry_cnt, rnr_retry); its sq_psn
 // and max_rd_atomic are replaced as above.
 void connect_loopback(queue_pair& a, queue_pair& b, std::uint8_t port, std::uint32_t gid_index,

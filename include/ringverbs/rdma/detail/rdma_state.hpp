@@ -75,6 +75,9 @@ struct channel_state {
     // verbs::context the channel was made from (a temporary, a moved-from object).
     verbs::context device;
     channel_options options;
+    // Whether the device raises an event for a solicited receive on a CQ armed solicited-only:
+    // -1 not asked yet, 0 no (siw), 1 yes. See cq_options::solicited_only.
+    int solicited_events = -1;
     channel_counters counters;
     fd_watch* watch = nullptr; // the multishot poll on the channel's fd
     service_poller service;
@@ -133,7 +136,10 @@ struct cq_state {
 
     std::shared_ptr<channel_state> channel;
     verbs::completion_queue cq;
-    bool solicited_only = false;
+    bool solicited_only = false; // as asked (cq_options): sends are refused on such a CQ
+    // Armed with solicited_only = 1: solicited_only, unless the device never notifies solicited
+    // receives (siw, see cq_options), where every completion must raise the event.
+    bool arm_solicited = false;
     bool armed = false;
     bool in_fired = false; // listed in channel->fired (an event this turn)
     bool closed = false;   // the user's cq handle is gone: next() consumers are no more

@@ -1,0 +1,129 @@
+#include "rdma_test_pair.hpp"
+
+#include <ringverbs/engine/error.hpp>
+#include <ringverbs/verbs/verb_error.hpp>
+
+#include <rdma/rdma_cma.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+namespace ringverbs::test {
+
+struct pair_link::ids {
+    rdma_event_channel* channel = nullptr;
+    rdma_cm_id* listening = nullptr;
+    rdma_cm_id* connecting = nullptr;
+    rdma_cm_id* accepted = nullptr;
+    ~ids() {
+        // Disconnect first: the QPs go to the error state while both ends still exist.
+        if (connecting) rdma_disconnect(connecting);
+        if (accepted) rdma_disconnect(accepted);
+        if (accepted) rdma_destroy_id(accepted);
+        if (connecting) rdma_destroy_id(connecting);
+        if (listening) rdma_destroy_id(listening);
+        if (channel) rdma_destroy_event_channel(channel);
+    }
+};
+
+pair_link::pair_link() noexcept = default;
+pair_link::pair_link(pair_link&&) noexcept = default;
+pair_link& pair_link::operator=(pair_link&&) noexcept = default;
+pair_link::~pair_link() = default;
+
+void pair_link::reset() noexcept {
+    ids_.reset();
+}
+
+namespace {
+
+[[noreturn]] void fail(int err, const std::string& what) {
+    throw_system_error(err != 0 ? err : EIO, "connect_pair (iWARP): " + what);
+}
+
+// The next rdma_cm event, bounded; it must be `want` (for `id`, when given). Acked.
+rdma_cm_id* expect(rdma_event_channel* ch, rdma_cm_event_type want, const char* step) {
+    pollfd p{ch->fd, POLLIN, 0};
+    const int r = ::poll(&p, 1, 15000);
+    if (r == 0) fail(ETIMEDOUT, std::string(step) + ": no rdma_cm event in 15 s");
+    if (r < 0) fail(errno, std::string(step) + ": poll");
+    rdma_cm_event* ev = nullptr;
+    if (rdma_get_cm_event(ch, &ev) != 0) fail(errno, std::string(step) + ": rdma_get_cm_event");
+    const rdma_cm_event_type got = ev->event;
+    const int status = ev->status;
+    rdma_cm_id* id = ev->id;
+    rdma_ack_cm_event(ev);
+    if (got != want)
+        fail(status < 0 ? -status : EPROTO, std::string(step) + ": got " + rdma_event_str(got) +
+                                                " (status " + std::to_string(status) +
+                                                "), wanted " + rdma_event_str(want));
+    return id;
+}
+
+} // namespace
+
+pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access remote_rights,
+                       const verbs::rts_params& send_side) {
+    const rdma_test_device& dev = rdma_device();
+    if (!dev.iwarp) {
+        verbs::connect_loopback(a, b, dev.port, dev.gid_index, remote_rights, send_side);
+        return {};
+    }
+    // The access rights are the QP's own (siw takes them at INIT); the CM moves it on from there.
+    a.to_init(dev.port, remote_rights);
+    b.to_init(dev.port, remote_rights);
+
+    const char* addr = std::getenv("RINGVERBS_ADDR");
+    if (addr == nullptr || *addr == '\0')
+        fail(EINVAL, "set RINGVERBS_ADDR to the IPv4 address of " + dev.name);
+    sockaddr_in sin{};
+    sin.sin_family = AF_INET;
+    if (::inet_pton(AF_INET, addr, &sin.sin_addr) != 1)
+        fail(EINVAL, std::string("RINGVERBS_ADDR=") + addr + " is not an IPv4 address");
+
+    pair_link link;
+    link.ids_ = std::make_unique<pair_link::ids>();
+    auto& s = *link.ids_;
+    s.channel = rdma_create_event_channel();
+    if (s.channel == nullptr) fail(errno, "rdma_create_event_channel");
+    if (rdma_create_id(s.channel, &s.listening, nullptr, RDMA_PS_TCP) != 0)
+        fail(errno, "rdma_create_id");
+    if (rdma_bind_addr(s.listening, reinterpret_cast<sockaddr*>(&sin)) != 0)
+        fail(errno, std::string("rdma_bind_addr(") + addr + ":0)");
+    if (rdma_listen(s.listening, 4) != 0) fail(errno, "rdma_listen");
+    sin.sin_port = rdma_get_src_port(s.listening);
+
+    if (rdma_create_id(s.channel, &s.connecting, nullptr, RDMA_PS_TCP) != 0)
+        fail(errno, "rdma_create_id");
+    if (rdma_resolve_addr(s.connecting, nullptr, reinterpret_cast<sockaddr*>(&sin), 5000) != 0)
+        fail(errno, "rdma_resolve_addr");
+    expect(s.channel, RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_resolve_addr");
+    if (rdma_resolve_route(s.connecting, 5000) != 0) fail(errno, "rdma_resolve_route");
+    expect(s.channel, RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_resolve_route");
+    if (s.connecting->verbs == nullptr ||
+        s.connecting->verbs->device != a.native()->context->device)
+        fail(ENODEV, std::string("RINGVERBS_ADDR=") + addr + " does not belong to " + dev.name);
+
+    ibv_device_attr attr{};
+    verbs::verb_check(ibv_query_device(a.native()->context, &attr), "ibv_query_device");
+    rdma_conn_param param{};
+    param.responder_resources = static_cast<std::uint8_t>(std::clamp(attr.max_qp_rd_atom, 0, 16));
+    param.initiator_depth = static_cast<std::uint8_t>(std::clamp(attr.max_qp_init_rd_atom, 0, 16));
+    param.qp_num = a.qp_num();
+    if (rdma_connect(s.connecting, &param) != 0) fail(errno, "rdma_connect");
+    s.accepted = expect(s.channel, RDMA_CM_EVENT_CONNECT_REQUEST, "rdma_connect");
+    param.qp_num = b.qp_num();
+    if (rdma_accept(s.accepted, &param) != 0) fail(errno, "rdma_accept");
+    // Both ends report ESTABLISHED on the one channel, in either order.
+    expect(s.channel, RDMA_CM_EVENT_ESTABLISHED, "establishing");
+    expect(s.channel, RDMA_CM_EVENT_ESTABLISHED, "establishing");
+    return link;
+}
+
+} // namespace ringverbs::test
