@@ -167,7 +167,10 @@ void srq::low_water_awaitable::await_suspend(std::coroutine_handle<> h) {
 
 void srq::low_water_awaitable::await_resume() {
     // Decided: the outcome is in this object (the srq may be gone). Not decided: ready at
-    // once, because the srq had failed or because fewer than asked were posted already.
+    // once, because n was 0, the srq had failed, or fewer than asked were posted already.
+    if (!decided() && below == 0)
+        throw_system_error(EINVAL, "srq::low_water(0): fewer than 0 receives are never posted "
+                                   "(n must be at least 1)");
     const int err = decided() ? error() : state_->error;
     if (err != 0) throw_system_error(err, "srq::low_water");
 }

@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <string>
 #include <vector>
 
 using namespace rt;
@@ -364,4 +365,38 @@ TEST_CASE("srq: an armed low_water(n) also resumes when a polled completion brin
     CHECK(*ended == 0);
     CHECK(p.shared.posted() == low - 1);
     CHECK(p.shared.limit_events() == 0);
+}
+
+// Review (issue 22 follow-up), finding 1: fewer than 0 receives are never posted, so
+// low_water(0) could only wait for ever (the limit armed at 0 is no limit at all).
+TEST_CASE("srq: low_water(0) is refused at once with EINVAL naming srq::low_water, whether or "
+          "not receives are posted") {
+    device dev;
+    io_context io;
+    device_events events(io, dev.ctx);
+    shared_pair p(dev, io);
+    region in(dev.pd, 2 * message_size);
+    // 0, or the errno the wait threw (and its text).
+    auto low_water_0 = [&](int& ended, std::string& what) -> task<void> {
+        try {
+            co_await p.shared.low_water(0, wait_options(2s)); // the bound only shows the bug
+            ended = 0;
+        } catch (const std::system_error& e) {
+            ended = e.code().value();
+            what = e.what();
+        }
+    };
+    for (std::uint32_t posted = 0; posted <= 2; posted += 2) {
+        CAPTURE(posted);
+        for (std::uint32_t i = 0; i < posted; ++i)
+            p.shared.post_recv(in.local(i * message_size, message_size), i);
+        REQUIRE(p.shared.posted() == posted);
+        int ended = -1;
+        std::string what;
+        io.run(low_water_0(ended, what));
+        MESSAGE("low_water(0) with " << posted << " posted: errno " << ended << " (" << what
+                                     << ")");
+        CHECK(ended == EINVAL);
+        CHECK(what.find("srq::low_water") != std::string::npos);
+    }
 }

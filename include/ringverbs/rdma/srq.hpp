@@ -65,10 +65,11 @@ class srq {
     // receive: a limit armed below what it holds would never fire). Else arms the SRQ's limit
     // at n (ibv_modify_srq) and resumes at the device's IBV_EVENT_SRQ_LIMIT_REACHED (which
     // needs a device_events watching the device; once per arm) or when polled completions
-    // bring posted() below n, whichever comes first. Throws std::system_error
-    // "srq::low_water" with timed_out / operation_canceled per `w`, ECANCELED when this srq
-    // handle goes (even while qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR,
-    // or naming ibv_modify_srq.
+    // bring posted() below n, whichever comes first. n is at least 1: fewer than 0 are never
+    // posted (and a limit of 0 disarms the SRQ), so low_water(0) throws EINVAL at once rather
+    // than wait for ever. Throws std::system_error "srq::low_water" with EINVAL (n == 0),
+    // timed_out / operation_canceled per `w`, ECANCELED when this srq handle goes (even while
+    // qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR, or naming ibv_modify_srq.
     low_water_awaitable low_water(std::uint32_t n, wait_options w = {}) noexcept;
 
     ibv_srq* native() const noexcept { return state_->srq.get(); }
@@ -119,8 +120,11 @@ class srq::low_water_awaitable : detail::srq_low_water_waiter {
   public:
     low_water_awaitable(const low_water_awaitable&) = delete;
     low_water_awaitable& operator=(const low_water_awaitable&) = delete;
-    // Decided at once when fewer than asked are posted already: no event would come.
-    bool await_ready() const noexcept { return state_->error != 0 || state_->posted < below; }
+    // Decided at once when fewer than asked are posted already (no event would come), and
+    // for n == 0, which is refused.
+    bool await_ready() const noexcept {
+        return below == 0 || state_->error != 0 || state_->posted < below;
+    }
     // Arms the limit (throws std::system_error naming ibv_modify_srq) and waits.
     void await_suspend(std::coroutine_handle<> h);
     void await_resume();
