@@ -612,3 +612,58 @@ TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and wh
     };
     io.run(run());
 }
+
+// Review (issue 22 follow-up), finding 4: a wake-up of accept() taken by another accept()
+// (one that did not wait: the connection was there when it was called) sends the woken one
+// back to wait. Its bound must still count from its call, not restart each time.
+TEST_CASE("an accept() whose wake-ups are taken by other accept()s still ends at its own bound, "
+          "counted from its call") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    constexpr int most = 20;  // clients at most: about 20 * 250 ms, many times the bound
+    std::optional<int> ended; // the bounded accept()'s errno (0: it got a connection)
+    std::chrono::steady_clock::duration waited{};
+    int stolen = 0;
+    std::size_t clients_then = 0; // clients connected when the bounded accept() ended
+    std::vector<connection> clients, taken;
+    auto bounded = [&]() -> task<void> {
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            taken.push_back(co_await l.accept(wait_options(1s)));
+            ended = 0;
+        } catch (const std::system_error& e) {
+            MESSAGE(std::string(e.what()));
+            ended = e.code().value();
+        }
+        waited = std::chrono::steady_clock::now() - t0;
+        clients_then = clients.size();
+    };
+    // Runs on every loop turn, before what the turn's completions make ready: it takes each
+    // connection delivered for the bounded accept() before that one resumes (which waits for
+    // its timer's cancellation to come back from the ring first).
+    auto thief = [&]() -> task<void> {
+        while (!ended) {
+            if (l.waiting() > 0) {
+                taken.push_back(co_await l.accept());
+                ++stolen;
+            }
+            co_await io.schedule();
+        }
+    };
+    auto connecting = [&]() -> task<void> {
+        for (int i = 0; i < most && !ended; ++i) {
+            clients.push_back(co_await connect(io, at));
+            co_await sleep_for(io, 250ms);
+        }
+    };
+    io.run(when_all(bounded(), thief(), connecting()));
+    MESSAGE("the bounded accept() ended after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms, "
+            << clients_then << " clients connected, " << stolen << " taken by the other");
+    REQUIRE(ended.has_value());
+    CHECK(*ended == ETIMEDOUT);
+    CHECK(stolen >= 1); // the case under test happened: a wake-up went to the other
+    CHECK(clients_then < std::size_t{most});
+}
