@@ -125,7 +125,10 @@ bool same(const channel_options& a, const channel_options& b) noexcept {
 }
 
 // The completion channel of this thread's io_context for a device and options. The weak
-// entries go stale when their last connection goes; they are replaced, not kept growing.
+// entries go stale when their last connection goes; they are replaced, not kept growing. A
+// channel that failed (error() != 0) reads no event any more: a connection on it would wait
+// for completions nobody reads, so it is replaced too (as cm_channel_of does); the connections
+// still on it keep it until they go.
 std::shared_ptr<channel> channel_of(io_context& io, const device_share& dev,
                                     const channel_options& o) {
     struct entry {
@@ -137,8 +140,12 @@ std::shared_ptr<channel> channel_of(io_context& io, const device_share& dev,
     thread_local std::vector<entry> channels;
     entry* stale = nullptr;
     for (entry& e : channels) {
-        if (e.io == &io && e.device == dev.device.native() && same(e.options, o))
-            if (auto ch = e.ch.lock()) return ch;
+        if (e.io == &io && e.device == dev.device.native() && same(e.options, o)) {
+            auto ch = e.ch.lock();
+            if (ch && ch->error() == 0) return ch;
+            stale = &e; // expired, or dead: this entry is the one to replace
+            break;
+        }
         if (e.ch.expired()) stale = &e;
     }
     auto ch = std::make_shared<channel>(io, dev.device, o);

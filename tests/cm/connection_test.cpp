@@ -12,6 +12,7 @@
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -695,6 +696,73 @@ TEST_CASE("accept() with a stop already requested ends with operation_canceled e
         CHECK(l.waiting() == 1);
         connection s = co_await l.accept(wait_options(10s));
         co_await exchange(c, s, 51);
+    };
+    io.run(run());
+}
+
+namespace {
+
+// exchange(), each await bounded: on a dead completion channel it ends instead of waiting.
+task<void> bounded_exchange(connection& a, connection& b, std::uint8_t seed) {
+    std::vector<std::byte> out(512), in(512);
+    for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = std::byte(seed + i);
+    verbs::memory_region mr_out(a.pd(), out), mr_in(b.pd(), in);
+    auto r = b.recv(local_buffer(mr_in, in), wait_options(5s));
+    r.post();
+    co_await a.send(local_buffer(mr_out, out), {}, wait_options(5s));
+    ibv_wc wc = co_await r;
+    CHECK(wc.byte_len == 512);
+    CHECK(std::memcmp(in.data(), out.data(), 512) == 0);
+}
+
+} // namespace
+
+// Review (issue 22 follow-up), finding 6: the completion channel connect() and the listener
+// share per thread and device (channel_of) was kept after it failed, as cm_channel_of kept a
+// failed rdma_cm channel before 66d7f8c: every later connection on it waited for completions
+// that nobody read.
+TEST_CASE("a failed completion channel is not reused: the next connection on the thread and "
+          "device gets a new one and exchanges") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        // Break the channel the pair shares for real: its fd number now names /dev/null opened
+        // write-only, so the next ibv_get_cq_event (a read) fails with EBADF and the channel is
+        // dead. The io_uring poll still holds the channel's own file: the completions of a
+        // message wake it. The file is put back afterwards, for a clean teardown.
+        const int fd = c.completions().native()->channel->fd;
+        const int saved = ::dup(fd);
+        REQUIRE(saved >= 0);
+        const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+        REQUIRE(null >= 0);
+        REQUIRE(::dup2(null, fd) == fd);
+        ::close(null);
+        int failed = 0;
+        {
+            std::vector<std::byte> buf(64);
+            verbs::memory_region mr(c.pd(), buf);
+            auto r = s.recv(local_buffer(mr, buf));
+            auto m = c.send(local_buffer(mr, buf));
+            r.post();
+            m.post(); // never awaited: going out of scope resets the pair's QPs
+            try {
+                (void)co_await c.completions().next(wait_options(10s));
+            } catch (const std::system_error& e) {
+                MESSAGE(std::string(e.what()));
+                failed = e.code().value();
+            }
+        }
+        REQUIRE(failed == EBADF);
+        REQUIRE(::dup2(saved, fd) == fd); // the channel stays failed
+        ::close(saved);
+        auto [s2, c2] = co_await when_all(l.accept(wait_options(10s)), connect(io, at));
+        CHECK(c2.completions().native()->channel->fd != fd);
+        co_await bounded_exchange(c2, s2, 33);
+        co_await bounded_exchange(s2, c2, 34);
     };
     io.run(run());
 }
