@@ -188,8 +188,32 @@ void cm_channel_state::fail(int err) noexcept {
     error = err;
     diagnose("rdma_cm event channel fd %d: %s", channel->fd,
              std::system_category().message(err).c_str());
-    for (cm_id_state* s : ids)
-        s->fail_all(err);
+    // fail_all runs a listener's request handler, which may make and destroy ids of this
+    // channel (growing `ids`, or freeing the state just failed): walk by index, from the start
+    // again whenever the list changed, over the ids not failed yet. fail_all sets an id's
+    // error and an id made from now on has the channel's, so each fails once and the walk
+    // ends.
+    std::size_t i = 0;
+    while (i < ids.size()) {
+        cm_id_state* s = ids[i];
+        if (s->error != 0) {
+            ++i;
+            continue;
+        }
+        const std::uint64_t before = ids_changes;
+        s->fail_all(err); // may destroy *s
+        i = ids_changes == before ? i + 1 : 0;
+    }
+}
+
+void cm_channel_state::list(cm_id_state* s) {
+    ids.push_back(s);
+    ++ids_changes;
+}
+
+void cm_channel_state::unlist(cm_id_state* s) noexcept {
+    std::erase(ids, s);
+    ++ids_changes;
 }
 
 // Every event is acked right after it was copied: rdma_destroy_id blocks until the events of
@@ -341,8 +365,8 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
 }
 
 cm_id_state::cm_id_state(std::shared_ptr<cm_channel_state> ch, rdma_cm_id* raw)
-    : channel(std::move(ch)), id(raw) {
-    channel->ids.push_back(this);
+    : channel(std::move(ch)), id(raw), error(channel->error) {
+    channel->list(this);
     id->context = this;
 }
 
@@ -350,24 +374,25 @@ cm_id_state::~cm_id_state() {
     backlog.clear();
     if (unanswered) rdma_reject(id, nullptr, 0);
     rdma_destroy_id(id);
-    if (listed) std::erase(channel->ids, this);
+    if (listed) channel->unlist(this);
 }
 
 void cm_id_state::fail_all(int err) noexcept {
     error = err;
-    if (on_request) {
-        try {
-            std::exchange(on_request, nullptr)(nullptr, err);
-        } catch (...) {
-            // The handler's own failure: nothing more to tell it.
-        }
-    }
     while (waiter* w = step_waiters.pop_front())
         w->fulfil(err);
     while (waiter* w = accept_waiters.pop_front())
         w->fulfil(err);
     while (waiter* w = disconnect_waiters.pop_front())
         w->fulfil(err);
+    // Last, and from a local: the handler may destroy this id, and this state with it.
+    if (const auto handler = std::exchange(on_request, nullptr)) {
+        try {
+            handler(nullptr, err);
+        } catch (...) {
+            // The handler's own failure: nothing more to tell it.
+        }
+    }
 }
 
 } // namespace detail
@@ -431,14 +456,14 @@ cm_id::in_transit cm_id::migrate(cm_channel& target) && {
     // an event of the id, and nothing here touches the state after that. Every event the old
     // channel read was dispatched and acked on this thread, so rdma_migrate_id does not wait.
     std::shared_ptr<detail::cm_channel_state> from = s.channel;
-    std::erase(from->ids, &s);
+    from->unlist(&s);
     s.listed = false;
     s.channel = target.state_;
     errno = 0;
     if (rdma_migrate_id(s.id, target.state_->channel.get()) != 0) {
         const int err = errno != 0 ? errno : EIO;
         s.channel = std::move(from);
-        s.channel->ids.push_back(&s);
+        s.channel->list(&s);
         s.listed = true;
         throw_system_error(err, "rdma_migrate_id");
     }
@@ -449,7 +474,7 @@ cm_id::cm_id(cm_channel& target, in_transit&& moving) {
     if (!moving.state_ || moving.state_->channel != target.state_)
         throw_system_error(EINVAL, "cm_id::adopt (not migrated to this channel)");
     detail::cm_id_state& s = *moving.state_;
-    s.channel->ids.push_back(&s); // may throw bad_alloc: `moving` still owns the id
+    s.channel->list(&s); // may throw bad_alloc: `moving` still owns the id
     s.listed = true;
     if (s.channel->error != 0) s.error = s.channel->error;
     state_ = std::move(moving.state_);

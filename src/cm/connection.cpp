@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <deque>
 #include <exception>
 #include <map>
@@ -124,7 +125,10 @@ bool same(const channel_options& a, const channel_options& b) noexcept {
 }
 
 // The completion channel of this thread's io_context for a device and options. The weak
-// entries go stale when their last connection goes; they are replaced, not kept growing.
+// entries go stale when their last connection goes; they are replaced, not kept growing. A
+// channel that failed (error() != 0) reads no event any more: a connection on it would wait
+// for completions nobody reads, so it is replaced too (as cm_channel_of does); the connections
+// still on it keep it until they go.
 std::shared_ptr<channel> channel_of(io_context& io, const device_share& dev,
                                     const channel_options& o) {
     struct entry {
@@ -136,8 +140,12 @@ std::shared_ptr<channel> channel_of(io_context& io, const device_share& dev,
     thread_local std::vector<entry> channels;
     entry* stale = nullptr;
     for (entry& e : channels) {
-        if (e.io == &io && e.device == dev.device.native() && same(e.options, o))
-            if (auto ch = e.ch.lock()) return ch;
+        if (e.io == &io && e.device == dev.device.native() && same(e.options, o)) {
+            auto ch = e.ch.lock();
+            if (ch && ch->error() == 0) return ch;
+            stale = &e; // expired, or dead: this entry is the one to replace
+            break;
+        }
         if (e.ch.expired()) stale = &e;
     }
     auto ch = std::make_shared<channel>(io, dev.device, o);
@@ -654,6 +662,13 @@ std::uint32_t listener::waiting() const noexcept {
 
 task<connection> listener::accept(wait_options w) {
     const std::shared_ptr<state> s = state_;
+    // The bound counts from this call: woken for an outcome another accept() took first, this
+    // one waits again for what is left of it, not for a new bound.
+    using clock = std::chrono::steady_clock;
+    const clock::time_point start = clock::now();
+    const bool bounded = w.timeout != wait_options::no_timeout &&
+                         w.timeout < clock::time_point::max() - start; // else: no overflow
+    const clock::time_point deadline = bounded ? start + w.timeout : clock::time_point::max();
     for (;;) {
         if (w.stop.stop_requested()) { // wins over a ready connection: it stays for the next
             // This accept() may be the one deliver() woke for it: pass the wake-up on.
@@ -669,8 +684,15 @@ task<connection> listener::accept(wait_options w) {
         }
         if (s->gone) throw_system_error(ECANCELED, "listener::accept (the listener is gone)");
         if (s->error != 0) throw_system_error(s->error, "listener::accept (" + s->failure + ")");
-        // Resumed for an outcome another accept() may take first: then it waits again.
-        co_await listener_ready(s.get(), w);
+        // Resumed for an outcome another accept() may take first: then it waits again, until
+        // the same deadline.
+        wait_options left = w; // a variable, not a temporary in the co_await (GCC 12)
+        if (bounded) {
+            const clock::time_point now = clock::now();
+            if (now >= deadline) throw_system_error(ETIMEDOUT, "listener::accept");
+            left.timeout = deadline - now;
+        }
+        co_await listener_ready(s.get(), left);
     }
 }
 

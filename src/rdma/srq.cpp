@@ -1,5 +1,6 @@
 #include <ringverbs/rdma/srq.hpp>
 
+#include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/error.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
@@ -76,10 +77,49 @@ void srq_state::attach(const std::shared_ptr<cq_state>& recv_cq) {
         recv_cqs.push_back(recv_cq);
 }
 
+void srq_state::arm(std::uint32_t limit) {
+    ibv_srq_attr attr{};
+    attr.srq_limit = limit;
+    if (const int rc = ibv_modify_srq(srq.get(), &attr, IBV_SRQ_LIMIT); rc != 0)
+        throw_system_error(verbs::verb_errno(rc),
+                           "ibv_modify_srq(srq_limit " + std::to_string(limit) + ")");
+    armed_limit = limit;
+}
+
+std::uint32_t srq_state::largest_waiting() const noexcept {
+    std::uint32_t largest = 0;
+    for (const waiter* w = low_water_waiters.front(); w != nullptr; w = w->next)
+        largest = std::max(largest, static_cast<const srq_low_water_waiter*>(w)->below);
+    return largest;
+}
+
 void srq_state::limit_reached() noexcept {
     ++limit_events;
-    while (waiter* w = low_water_waiters.pop_front())
-        w->fulfil(0);
+    // The event of the one arm outstanding (the device disarmed the SRQ as it raised it): the
+    // device held fewer than `fired` receives, which settles every waiter of n >= fired. The
+    // others are settled by the count, which may already say more than the event (0: an arm
+    // that is not ours, made on native(): only the count decides).
+    const std::uint32_t fired = std::exchange(armed_limit, 0);
+    for (waiter* w = low_water_waiters.front(); w != nullptr;) {
+        waiter* next = w->next;
+        const std::uint32_t n = static_cast<srq_low_water_waiter*>(w)->below;
+        if ((fired != 0 && n >= fired) || n > posted) {
+            low_water_waiters.remove(w);
+            w->fulfil(0); // resumed later, by the loop: `next` is still queued
+        }
+        w = next;
+    }
+    // The rest wait on: the SRQ is armed again for the largest of them.
+    if (const std::uint32_t largest = largest_waiting(); largest != 0) {
+        try {
+            arm(largest);
+        } catch (const std::exception& e) {
+            // Not armed: those waits still end by the count of posted receives (or their
+            // deadline), as when no device_events routes the event.
+            diagnose("srq::low_water: %s: the waits go on by the count of posted receives",
+                     e.what());
+        }
+    }
 }
 
 void srq_state::failed() noexcept {
@@ -156,18 +196,22 @@ ibv_wc srq::request::await_resume() {
 }
 
 void srq::low_water_awaitable::await_suspend(std::coroutine_handle<> h) {
-    ibv_srq_attr attr{};
-    attr.srq_limit = below;
-    if (const int rc = ibv_modify_srq(state_->srq.get(), &attr, IBV_SRQ_LIMIT); rc != 0)
-        throw_system_error(verbs::verb_errno(rc),
-                           "ibv_modify_srq(srq_limit " + std::to_string(below) + ")");
+    // One limit serves every waiter. Not armed (no arm outstanding): armed now for the largest
+    // n waiting, this one's included. Armed already: never replaced (see armed_limit); this
+    // wait ends by that arm's event when its n is at least the armed limit, else by the count
+    // or by the arm made for it after that event.
+    if (state_->armed_limit == 0)
+        state_->arm(std::max(below, state_->largest_waiting())); // throws: nothing queued
     state_->low_water_waiters.push_back(this);
     start(*state_->ctx, options_, h, &state_->low_water_waiters, &detail::waiter_queue::detach);
 }
 
 void srq::low_water_awaitable::await_resume() {
     // Decided: the outcome is in this object (the srq may be gone). Not decided: ready at
-    // once, because the srq had failed or because fewer than asked were posted already.
+    // once, because n was 0, the srq had failed, or fewer than asked were posted already.
+    if (!decided() && below == 0)
+        throw_system_error(EINVAL, "srq::low_water(0): fewer than 0 receives are never posted "
+                                   "(n must be at least 1)");
     const int err = decided() ? error() : state_->error;
     if (err != 0) throw_system_error(err, "srq::low_water");
 }

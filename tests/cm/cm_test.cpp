@@ -11,6 +11,8 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -758,4 +760,85 @@ TEST_CASE("a client that asks for endless RNR retries (rnr_retry_count 7) and ne
     CHECK(failure->status() == IBV_WC_RNR_RETRY_EXC_ERR);
     MESSAGE("the accepting side's send: RNR gave up after "
             << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+}
+
+// Review (issue 22 follow-up), finding 3: a failed channel fails each of its ids, and failing
+// a listening id runs the user's request handler, which may destroy and make ids of the same
+// channel while the channel walks its list of them.
+TEST_CASE("a failed channel fails every id, though the request handler destroys and makes ids "
+          "of that channel while it is told; an id made on it afterwards fails at once") {
+    const std::string ip = test_addr();
+    io_context io;
+    cm_channel events(io);
+    cm_id listener(events);
+    listener.listen(sa(addr_at(ip, 0)));
+    const std::uint16_t port = listener.local_port();
+    // Listed after the listener, each waiting for disconnected(): the failure ends the waits.
+    constexpr std::size_t listed = 3;
+    std::vector<std::unique_ptr<cm_id>> ids;
+    for (std::size_t i = 0; i < listed; ++i)
+        ids.push_back(std::make_unique<cm_id>(events));
+    std::vector<int> ended(listed, -1);
+    // The rdma_cm file, put back by the handler so that ids can be made and destroyed there.
+    const int saved = ::dup(events.fd());
+    REQUIRE(saved >= 0);
+    std::vector<std::unique_ptr<cm_id>> made;
+    int told = 0, told_error = 0;
+    listener.on_request([&](cm_id request, int error) {
+        ++told;
+        if (request) return; // not expected: the channel fails before it reads the request
+        told_error = error;
+        ::dup2(saved, events.fd());
+        ids.back().reset();         // the last id listed: freed under the walk
+        for (int i = 0; i < 8; ++i) // the list grows (and moves)
+            made.push_back(std::make_unique<cm_id>(events));
+    });
+    auto wait_disconnected = [&](std::size_t i) -> task<void> {
+        try {
+            co_await ids[i]->disconnected(wait_options(20s));
+            ended[i] = 0;
+        } catch (const std::system_error& e) {
+            ended[i] = e.code().value();
+        }
+    };
+    std::optional<silent_peer> peer;
+    auto breaker = [&]() -> task<void> {
+        co_await sleep_for(io, 10ms); // the waits are under way
+        // Break the channel for real (as in connection_test): its fd number names an eventfd,
+        // so librdmacm's next rdma_get_cm_event fails. A request to the listener wakes it.
+        const int efd = ::eventfd(0, EFD_CLOEXEC);
+        REQUIRE(efd >= 0);
+        REQUIRE(::dup2(efd, events.fd()) == events.fd());
+        ::close(efd);
+        peer.emplace(ip, port);
+    };
+    io.run(when_all(wait_disconnected(0), wait_disconnected(1), wait_disconnected(2), breaker()));
+    ::close(saved);
+    MESSAGE("channel error " << events.error() << "; handler told " << told << " time(s), error "
+                             << told_error << "; waits ended with " << ended[0] << ", " << ended[1]
+                             << ", " << ended[2]);
+    REQUIRE(events.error() != 0);
+    CHECK(told == 1);
+    CHECK(told_error == events.error());
+    CHECK(ended[0] == events.error());
+    CHECK(ended[1] == events.error());
+    CHECK(ended[2] == ECANCELED); // destroyed by the handler while it waited
+    // Ids made on the dead channel (by the handler, and now): a step fails at once with the
+    // channel's errno instead of waiting for an event nobody reads.
+    made.push_back(std::make_unique<cm_id>(events));
+    const sockaddr_in to = addr_at(ip, port);
+    int refused = 0;
+    for (auto& id : made) {
+        cm_id& one = *id; // a reference for the coroutine below (its frame keeps none of ours)
+        auto step = [&]() -> task<int> {
+            try {
+                co_await one.resolve_addr(sa(to), wait_options(5s));
+            } catch (const std::system_error& e) {
+                co_return e.code().value();
+            }
+            co_return 0;
+        };
+        if (io.run(step()) == events.error()) ++refused;
+    }
+    CHECK(refused == int(made.size()));
 }

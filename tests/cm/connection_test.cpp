@@ -12,6 +12,7 @@
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -609,6 +610,159 @@ TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and wh
         (void)sent;
         CHECK(wc.byte_len == 256);
         CHECK(wc.qp_num == c.queue_pair().qp_num());
+    };
+    io.run(run());
+}
+
+// Review (issue 22 follow-up), finding 4: a wake-up of accept() taken by another accept()
+// (one that did not wait: the connection was there when it was called) sends the woken one
+// back to wait. Its bound must still count from its call, not restart each time.
+TEST_CASE("an accept() whose wake-ups are taken by other accept()s still ends at its own bound, "
+          "counted from its call") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    constexpr int most = 20;  // clients at most: about 20 * 250 ms, many times the bound
+    std::optional<int> ended; // the bounded accept()'s errno (0: it got a connection)
+    std::chrono::steady_clock::duration waited{};
+    int stolen = 0;
+    std::size_t clients_then = 0; // clients connected when the bounded accept() ended
+    std::vector<connection> clients, taken;
+    auto bounded = [&]() -> task<void> {
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            taken.push_back(co_await l.accept(wait_options(1s)));
+            ended = 0;
+        } catch (const std::system_error& e) {
+            MESSAGE(std::string(e.what()));
+            ended = e.code().value();
+        }
+        waited = std::chrono::steady_clock::now() - t0;
+        clients_then = clients.size();
+    };
+    // Runs on every loop turn, before what the turn's completions make ready: it takes each
+    // connection delivered for the bounded accept() before that one resumes (which waits for
+    // its timer's cancellation to come back from the ring first).
+    auto thief = [&]() -> task<void> {
+        while (!ended) {
+            if (l.waiting() > 0) {
+                taken.push_back(co_await l.accept());
+                ++stolen;
+            }
+            co_await io.schedule();
+        }
+    };
+    auto connecting = [&]() -> task<void> {
+        for (int i = 0; i < most && !ended; ++i) {
+            clients.push_back(co_await connect(io, at));
+            co_await sleep_for(io, 250ms);
+        }
+    };
+    io.run(when_all(bounded(), thief(), connecting()));
+    MESSAGE("the bounded accept() ended after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms, "
+            << clients_then << " clients connected, " << stolen << " taken by the other");
+    REQUIRE(ended.has_value());
+    CHECK(*ended == ETIMEDOUT);
+    CHECK(stolen >= 1); // the case under test happened: a wake-up went to the other
+    CHECK(clients_then < std::size_t{most});
+}
+
+// Review (issue 22 follow-up), finding 5: as recv_ring::next(stop), a requested stop wins over
+// a connection that is ready; it stays for the next accept(). accept() has checked the stop
+// first since 945a9f7 (the finding held for cq::next only): this pins it down.
+TEST_CASE("accept() with a stop already requested ends with operation_canceled even with a "
+          "connection ready; the next accept() takes it") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        connection c = co_await connect(io, at);
+        for (int i = 0; i < 2000 && l.waiting() == 0; ++i) // the server side's ESTABLISHED
+            co_await sleep_for(io, 5ms);
+        REQUIRE(l.waiting() == 1);
+        std::stop_source stopped;
+        stopped.request_stop();
+        int err = 0;
+        try {
+            connection s = co_await l.accept(wait_options(stopped.get_token()));
+            (void)s;
+        } catch (const std::system_error& e) {
+            err = e.code().value();
+        }
+        CHECK(err == ECANCELED);
+        CHECK(l.waiting() == 1);
+        connection s = co_await l.accept(wait_options(10s));
+        co_await exchange(c, s, 51);
+    };
+    io.run(run());
+}
+
+namespace {
+
+// exchange(), each await bounded: on a dead completion channel it ends instead of waiting.
+task<void> bounded_exchange(connection& a, connection& b, std::uint8_t seed) {
+    std::vector<std::byte> out(512), in(512);
+    for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = std::byte(seed + i);
+    verbs::memory_region mr_out(a.pd(), out), mr_in(b.pd(), in);
+    auto r = b.recv(local_buffer(mr_in, in), wait_options(5s));
+    r.post();
+    co_await a.send(local_buffer(mr_out, out), {}, wait_options(5s));
+    ibv_wc wc = co_await r;
+    CHECK(wc.byte_len == 512);
+    CHECK(std::memcmp(in.data(), out.data(), 512) == 0);
+}
+
+} // namespace
+
+// Review (issue 22 follow-up), finding 6: the completion channel connect() and the listener
+// share per thread and device (channel_of) was kept after it failed, as cm_channel_of kept a
+// failed rdma_cm channel before 66d7f8c: every later connection on it waited for completions
+// that nobody read.
+TEST_CASE("a failed completion channel is not reused: the next connection on the thread and "
+          "device gets a new one and exchanges") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        // Break the channel the pair shares for real: its fd number now names /dev/null opened
+        // write-only, so the next ibv_get_cq_event (a read) fails with EBADF and the channel is
+        // dead. The io_uring poll still holds the channel's own file: the completions of a
+        // message wake it. The file is put back afterwards, for a clean teardown.
+        const int fd = c.completions().native()->channel->fd;
+        const int saved = ::dup(fd);
+        REQUIRE(saved >= 0);
+        const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+        REQUIRE(null >= 0);
+        REQUIRE(::dup2(null, fd) == fd);
+        ::close(null);
+        int failed = 0;
+        {
+            std::vector<std::byte> buf(64);
+            verbs::memory_region mr(c.pd(), buf);
+            auto r = s.recv(local_buffer(mr, buf));
+            auto m = c.send(local_buffer(mr, buf));
+            r.post();
+            m.post(); // never awaited: going out of scope resets the pair's QPs
+            try {
+                (void)co_await c.completions().next(wait_options(10s));
+            } catch (const std::system_error& e) {
+                MESSAGE(std::string(e.what()));
+                failed = e.code().value();
+            }
+        }
+        REQUIRE(failed == EBADF);
+        REQUIRE(::dup2(saved, fd) == fd); // the channel stays failed
+        ::close(saved);
+        auto [s2, c2] = co_await when_all(l.accept(wait_options(10s)), connect(io, at));
+        CHECK(c2.completions().native()->channel->fd != fd);
+        co_await bounded_exchange(c2, s2, 33);
+        co_await bounded_exchange(s2, c2, 34);
     };
     io.run(run());
 }

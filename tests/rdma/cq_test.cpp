@@ -340,3 +340,54 @@ TEST_CASE("a next() that gets no SQE for its timer throws and leaves no waiter b
     };
     CHECK(io.run(take()) == 7);
 }
+
+// Review (issue 22 follow-up), finding 5: as recv_ring::next(stop), a requested stop wins over
+// completions that are ready; they stay buffered, in order, for the next consumer.
+TEST_CASE("next() and next_batch() with a stop already requested end with operation_canceled "
+          "even with completions ready; those stay buffered in order") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    for (std::uint64_t i = 0; i < 3; ++i)
+        raw_recv(lp.b, buf.local(i * 64, 64), 40 + i);
+    for (std::uint64_t i = 0; i < 3; ++i)
+        raw_send(lp.a, buf.local(1024 + i * 64, 64), 60 + i);
+    auto settle = [&]() -> task<void> {
+        for (int i = 0; i < 2000 && lp.cq_b.buffered() < 3; ++i) // 10 s at most
+            co_await sleep_for(io, 5ms);
+    };
+    io.run(settle());
+    REQUIRE(lp.cq_b.buffered() == 3);
+    std::stop_source stopped;
+    stopped.request_stop();
+    // The errno the await threw (0: it gave completions), and their wr_ids.
+    auto one = [&](std::vector<std::uint64_t>& got) -> task<int> {
+        try {
+            ibv_wc wc = co_await lp.cq_b.next(wait_options(10s, stopped.get_token()));
+            got.push_back(wc.wr_id);
+        } catch (const std::system_error& e) {
+            co_return e.code().value();
+        }
+        co_return 0;
+    };
+    auto batch = [&](std::vector<std::uint64_t>& got, std::stop_token stop) -> task<int> {
+        ibv_wc wcs[8];
+        try {
+            const wait_options w(10s, std::move(stop)); // bounded: nothing may be left to take
+            const std::size_t n = co_await lp.cq_b.next_batch(wcs, w);
+            for (std::size_t i = 0; i < n; ++i)
+                got.push_back(wcs[i].wr_id);
+        } catch (const std::system_error& e) {
+            co_return e.code().value();
+        }
+        co_return 0;
+    };
+    std::vector<std::uint64_t> got;
+    CHECK(io.run(one(got)) == ECANCELED);
+    CHECK(io.run(batch(got, stopped.get_token())) == ECANCELED);
+    CHECK(got.empty());
+    CHECK(lp.cq_b.buffered() == 3);
+    CHECK(io.run(batch(got, {})) == 0); // no stop: all three, in order
+    CHECK(got == std::vector<std::uint64_t>{40, 41, 42});
+}

@@ -424,3 +424,99 @@ TEST_CASE("srq: an armed low_water(n) also resumes when a polled completion brin
     CHECK(p.shared.posted() == low - 1);
     CHECK(p.shared.limit_events() == 0);
 }
+
+// Review (issue 22 follow-up), finding 1: fewer than 0 receives are never posted, so
+// low_water(0) could only wait for ever (the limit armed at 0 is no limit at all).
+TEST_CASE("srq: low_water(0) is refused at once with EINVAL naming srq::low_water, whether or "
+          "not receives are posted") {
+    device dev;
+    io_context io;
+    device_events events(io, dev.ctx);
+    shared_pair p(dev, io);
+    region in(dev.pd, 2 * message_size);
+    // 0, or the errno the wait threw (and its text).
+    auto low_water_0 = [&](int& ended, std::string& what) -> task<void> {
+        try {
+            co_await p.shared.low_water(0, wait_options(2s)); // the bound only shows the bug
+            ended = 0;
+        } catch (const std::system_error& e) {
+            ended = e.code().value();
+            what = e.what();
+        }
+    };
+    for (std::uint32_t posted = 0; posted <= 2; posted += 2) {
+        CAPTURE(posted);
+        for (std::uint32_t i = 0; i < posted; ++i)
+            p.shared.post_recv(in.local(i * message_size, message_size), i);
+        REQUIRE(p.shared.posted() == posted);
+        int ended = -1;
+        std::string what;
+        io.run(low_water_0(ended, what));
+        MESSAGE("low_water(0) with " << posted << " posted: errno " << ended << " (" << what
+                                     << ")");
+        CHECK(ended == EINVAL);
+        CHECK(what.find("srq::low_water") != std::string::npos);
+    }
+}
+
+// Review (issue 22 follow-up), finding 2: one SRQ limit, several waiters. Each must resume
+// only once fewer than its own n are posted, whichever of them armed the limit last, and none
+// may be left waiting.
+TEST_CASE("srq: low_water waiters with different n each resume only once fewer than their own "
+          "n are posted (armed in either order)") {
+    for (int order = 0; order < 2; ++order) {
+        CAPTURE(order);
+        device dev;
+        io_context io;
+        device_events events(io, dev.ctx);
+        shared_pair p(dev, io);
+        constexpr std::uint32_t slots = 8;
+        region in(dev.pd, slots * message_size), out(dev.pd, message_size);
+        for (std::uint32_t i = 0; i < slots; ++i)
+            p.shared.post_recv(in.local(i * message_size, message_size), i);
+        stamp(out.bytes, 6);
+        struct outcome {
+            std::optional<int> ended; // 0, or the errno the wait threw
+            int sent_then = -1;       // sends posted when it resumed
+            std::size_t posted_then = 0;
+        };
+        int sent = 0;
+        outcome two, six;
+        auto waiter = [&](std::uint32_t n, outcome& o) -> task<void> {
+            try {
+                co_await p.shared.low_water(n, wait_options(20s));
+                o.ended = 0;
+            } catch (const std::system_error& e) {
+                o.ended = e.code().value();
+            }
+            o.sent_then = sent;
+            o.posted_then = p.shared.posted();
+        };
+        auto sender = [&]() -> task<void> {
+            co_await sleep_for(io, 20ms); // both wait, their limits armed
+            // One at a time, each taken (and its event routed) before the next.
+            while (!(two.ended && six.ended) && sent < int{slots}) {
+                ++sent;
+                ibv_wc wc = co_await p.a1->send(out.all());
+                CHECK(wc.status == IBV_WC_SUCCESS);
+                co_await sleep_for(io, 20ms);
+            }
+        };
+        // when_all starts them in order: order 0 arms 2 then 6, order 1 arms 6 then 2.
+        if (order == 0)
+            io.run(when_all(waiter(2, two), waiter(6, six), sender()));
+        else
+            io.run(when_all(waiter(6, six), waiter(2, two), sender()));
+        MESSAGE("order " << order << ": low_water(2) resumed after " << two.sent_then
+                         << " sends (posted() " << two.posted_then << "), low_water(6) after "
+                         << six.sent_then << " (posted() " << six.posted_then << "); " << sent
+                         << " sent, " << p.shared.limit_events() << " limit events");
+        REQUIRE(two.ended.has_value());
+        REQUIRE(six.ended.has_value());
+        CHECK(*two.ended == 0);
+        CHECK(*six.ended == 0);
+        // Counted at the post (as above): n is crossed by the (slots - n + 1)-th receive taken.
+        CHECK(two.sent_then >= int{slots} - 2 + 1);
+        CHECK(six.sent_then >= int{slots} - 6 + 1);
+    }
+}

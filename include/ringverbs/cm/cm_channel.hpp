@@ -45,7 +45,9 @@ class cm_channel {
     io_context& context() const noexcept { return *state_->ctx; }
     int fd() const noexcept { return state_->channel->fd; }
     // 0 while the channel works; else the errno that ended it (its fd's poll or
-    // rdma_get_cm_event failed): no event of its ids is read any more, for good.
+    // rdma_get_cm_event failed): no event of its ids is read any more, for good. Every id on
+    // it then fails with that errno (its waits end, later steps throw at once), ids made on it
+    // afterwards too.
     int error() const noexcept { return state_->error; }
     // rdma_cm events read so far.
     std::uint64_t events() const noexcept { return state_->events; }

@@ -97,7 +97,9 @@ struct cm_conn_options {
 // dropped unanswered is rejected. Destroy before the io_context, on its thread.
 class cm_id {
   public:
-    // Throws std::system_error naming rdma_create_id.
+    // Throws std::system_error naming rdma_create_id. On a channel that failed already
+    // (cm_channel::error() != 0) no event of the id would ever be read: its steps and waits
+    // fail at once with that errno.
     explicit cm_id(cm_channel& ch);
     ~cm_id();
     // Moving transfers the id; the moved-from handle is empty and may only be destroyed or
@@ -154,8 +156,10 @@ class cm_id {
     // A listener's requests to a handler instead of accept(): each request as a new cm_id
     // (error 0), called on this id's thread from the loop, as the request is read (the
     // handler must not block: start a task for the handshake). Once, when no more requests can
-    // come (the event channel failed, the device went), with an empty cm_id and that errno.
-    // A request the handler drops unanswered is rejected; one for which it throws too.
+    // come (the event channel failed, the device went), with an empty cm_id and that errno,
+    // after the id's own waits were ended; that call may make and destroy ids of the channel,
+    // this one included. A request the handler drops unanswered is rejected; one for which it
+    // throws too.
     // Requests already in the backlog go to the handler at once. An empty handler goes back
     // to accept(). Throws std::bad_alloc.
     void on_request(std::function<void(cm_id request, int error)> handler);

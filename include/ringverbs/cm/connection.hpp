@@ -220,7 +220,10 @@ class listener {
     // rejected our accept: connection_rejected naming rdma_accept, never sent its RTU within
     // step_timeout) is dropped and reported to the diagnostics sink;
     // accept() never sees it. Throws std::system_error: "listener::accept" with timed_out /
-    // operation_canceled per `w` (only this wait ends: handshakes go on), operation_canceled
+    // operation_canceled per `w` (only this wait ends: handshakes go on; the timeout counts
+    // from the call, also when another accept() took what this one was woken for; a stop
+    // requested before the co_await wins over a connection ready, which stays queued for the
+    // next accept()), operation_canceled
     // when the listener is destroyed, the channel's errno when the rdma_cm event channel
     // failed; and the listener's own failures, once per request they failed (that request
     // rejected, the listener stays usable): what making the CQ or qp throws (EMFILE, ENOMEM),

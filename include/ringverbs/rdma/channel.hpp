@@ -44,6 +44,10 @@ class channel {
     std::chrono::nanoseconds spin_window() const noexcept { return state_->spin_window; }
     // How many times the kernel ended the multishot poll on the fd and it was re-armed.
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
+    // 0 while the channel works; else the errno that ended it (the fd's poll or
+    // ibv_get_cq_event failed): no event of its CQs is read any more, for good, and their
+    // next() waits fail with that errno.
+    int error() const noexcept { return state_->error; }
 
   private:
     friend class cq;

@@ -56,11 +56,14 @@ class cq {
     // completion is returned as it is (check wc.status): next() does not know who posted it.
     // Errors: std::system_error "cq::next" with timed_out, operation_canceled (stop_token, or
     // the cq was destroyed), the errno of a failed channel, or EOVERFLOW ("cq::next:
-    // IBV_EVENT_CQ_ERR") once the CQ overran (reported by device_events).
+    // IBV_EVENT_CQ_ERR") once the CQ overran (reported by device_events). A stop requested
+    // before the co_await ends it at once (operation_canceled) even with completions ready:
+    // they stay buffered, in order, as recv_ring::next does.
     next_awaitable next(wait_options options = {}) noexcept;
 
     // co_await cq.next_batch(out): one or more completions (up to out.size()), waiting for the
-    // first one like next(). Returns how many were written to `out`.
+    // first one like next() (and ending like it, a stop requested first included). Returns how
+    // many were written to `out`.
     batch_awaitable next_batch(std::span<ibv_wc> out, wait_options options = {}) noexcept;
 
     const cq_counters& counters() const noexcept { return state_->counters; }
@@ -83,6 +86,12 @@ class cq {
         completion_wait(const completion_wait&) = delete;
         completion_wait& operator=(const completion_wait&) = delete;
         bool await_ready() noexcept {
+            // A stop requested before the co_await wins over completions ready (as in
+            // recv_ring::next): they stay buffered, in order, for the next consumer.
+            if (options_.stop.stop_requested()) {
+                stopped_ = true;
+                return true;
+            }
             while (taken < capacity && state_->pop(out[taken]))
                 ++taken;
             return taken > 0 || state_->closed || state_->error != 0 ||
@@ -113,6 +122,9 @@ class cq {
                 return taken;
             }
             // Ready at once (await_ready), without suspending: *state_ is alive.
+            if (stopped_)
+                throw_system_error(ECANCELED, "cq::next (stop requested; completions ready stay "
+                                              "buffered)");
             if (taken == 0) {
                 const int err = state_->closed       ? ECANCELED
                                 : state_->error != 0 ? state_->error
@@ -127,6 +139,7 @@ class cq {
       private:
         detail::cq_state* state_;
         wait_options options_;
+        bool stopped_ = false; // its stop was requested before it waited
     };
 
     static void detach(void* source, detail::waiter* w) noexcept;

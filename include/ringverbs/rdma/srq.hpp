@@ -31,7 +31,8 @@ struct srq_options {
 // - srq.post_recv(buffer, wr_id): a receive of a pool; its completion goes to cq::next() of the
 //   receive CQ of the QP that took it (check wc.qp_num and wc.wr_id).
 // co_await srq.low_water(n) resumes when fewer than n receives are left posted, so that a
-// refiller coroutine sleeps until the pool runs low (see low_water()).
+// refiller coroutine sleeps until the pool runs low; several may wait, each with its own n
+// (see low_water()).
 //
 // The receive CQs of the QPs on an SRQ must hold what it can complete at once: give them at
 // least max_wr entries more than their QPs' send queues need.
@@ -62,13 +63,20 @@ class srq {
     void post_recv(local_buffer into, std::uint64_t wr_id);
     // co_await srq.low_water(n): resumes once fewer than n receives are posted. At once when
     // posted() is below n already (the device raises its limit event only when it takes a
-    // receive: a limit armed below what it holds would never fire). Else arms the SRQ's limit
-    // at n (ibv_modify_srq) and resumes at the device's IBV_EVENT_SRQ_LIMIT_REACHED (which
-    // needs a device_events watching the device; once per arm) or when polled completions
-    // bring posted() below n, whichever comes first. Throws std::system_error
-    // "srq::low_water" with timed_out / operation_canceled per `w`, ECANCELED when this srq
-    // handle goes (even while qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR,
-    // or naming ibv_modify_srq.
+    // receive: a limit armed below what it holds would never fire). Else it waits for the
+    // first of: polled completions bring posted() below n; the device's
+    // IBV_EVENT_SRQ_LIMIT_REACHED (which needs a device_events watching the device) for a
+    // limit of at most n. One limit serves every waiter: when none is armed, the wait arms it
+    // (ibv_modify_srq) at the largest n waiting; its event resumes the waiters whose n is at
+    // least that limit (and those posted() has crossed), and the SRQ is armed again for the
+    // largest n still waiting. An armed limit is never replaced (its event could already be on
+    // the way and be taken for the new one's): a wait for a larger n meanwhile ends by the
+    // count. So no wait resumes before fewer than its own n are posted, whatever the order of
+    // the waits and their n. No allocation. n is at least 1: fewer than 0 are never
+    // posted (and a limit of 0 disarms the SRQ), so low_water(0) throws EINVAL at once rather
+    // than wait for ever. Throws std::system_error "srq::low_water" with EINVAL (n == 0),
+    // timed_out / operation_canceled per `w`, ECANCELED when this srq handle goes (even while
+    // qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR, or naming ibv_modify_srq.
     low_water_awaitable low_water(std::uint32_t n, wait_options w = {}) noexcept;
 
     ibv_srq* native() const noexcept { return state_->srq.get(); }
@@ -119,9 +127,13 @@ class srq::low_water_awaitable : detail::srq_low_water_waiter {
   public:
     low_water_awaitable(const low_water_awaitable&) = delete;
     low_water_awaitable& operator=(const low_water_awaitable&) = delete;
-    // Decided at once when fewer than asked are posted already: no event would come.
-    bool await_ready() const noexcept { return state_->error != 0 || state_->posted < below; }
-    // Arms the limit (throws std::system_error naming ibv_modify_srq) and waits.
+    // Decided at once when fewer than asked are posted already (no event would come), and
+    // for n == 0, which is refused.
+    bool await_ready() const noexcept {
+        return below == 0 || state_->error != 0 || state_->posted < below;
+    }
+    // Arms the limit unless one is armed (throws std::system_error naming ibv_modify_srq,
+    // nothing queued) and waits.
     void await_suspend(std::coroutine_handle<> h);
     void await_resume();
 

@@ -59,6 +59,7 @@ struct cm_channel_state {
     std::shared_ptr<rdma_event_channel> channel;
     fd_watch* watch = nullptr;     // the multishot poll on the event channel's fd
     std::vector<cm_id_state*> ids; // live ids (raw: each removes itself), to fail on poll error
+    std::uint64_t ids_changes = 0; // bumped by list() and unlist(): fail()'s walk re-validates
     std::uint64_t events = 0;      // rdma_cm events read
     int error = 0;                 // a failure of the fd poll or of rdma_get_cm_event: dead
     // cm_channel_options::step_timeout: the bound of a step awaited without a timeout.
@@ -72,7 +73,12 @@ struct cm_channel_state {
     // Reads every pending event (until EAGAIN), routes and acks each.
     void drain() noexcept;
     void dispatch(const rdma_cm_event& ev) noexcept;
+    // The channel is dead: fails every id on it once (each fail_all may run a user's handler,
+    // which may make and destroy ids of this channel meanwhile).
     void fail(int err) noexcept;
+    // Adds `s` to / removes it from `ids` (push_back may throw std::bad_alloc).
+    void list(cm_id_state* s);
+    void unlist(cm_id_state* s) noexcept;
 };
 
 // One rdma_cm_id and what its awaits wait for. id->context points here.
@@ -101,9 +107,11 @@ struct cm_id_state {
     // An incoming request not yet answered: it is rejected if the id goes unanswered.
     bool unanswered = false;
     std::vector<std::byte> request_data; // private data of the connection request
-    int error = 0;                       // ENODEV after DEVICE_REMOVAL, or the channel's error
-    bool closed = false;                 // the user's handle is gone
-    bool listed = true;                  // in channel->ids (not while migrating to another channel)
+    // ENODEV after DEVICE_REMOVAL, or the channel's error (from the start for an id made on a
+    // channel that failed already: no event of it would be read).
+    int error = 0;
+    bool closed = false; // the user's handle is gone
+    bool listed = true;  // in channel->ids (not while migrating to another channel)
 
     // Takes ownership of `raw` (rdma_destroy_id when the last share goes), sets its context
     // and joins the channel's ids. Throws std::bad_alloc, leaving `raw` to the caller.
@@ -112,6 +120,8 @@ struct cm_id_state {
     cm_id_state(const cm_id_state&) = delete;
     cm_id_state& operator=(const cm_id_state&) = delete;
 
+    // Ends every wait with `err`, then tells the request handler, if any, last: it may
+    // destroy this id (and this state), so nothing here touches the state after it.
     void fail_all(int err) noexcept;
 };
 

@@ -43,6 +43,12 @@ struct srq_state {
     // comes only when it takes a receive (never for a limit armed below what it holds).
     std::size_t posted = 0;
     waiter_queue low_water_waiters; // of srq_low_water_waiter
+    // The SRQ limit armed (ibv_modify_srq) whose IBV_EVENT_SRQ_LIMIT_REACHED has not come yet;
+    // 0: none. At most one arm is outstanding: it is never replaced while armed (the device
+    // disarms the SRQ as it raises the event, so a replaced arm's event may already be on its
+    // way and would be taken for the new one's). So the next limit event is this arm's and
+    // proves that the device held fewer than `armed_limit` receives.
+    std::uint32_t armed_limit = 0;
     std::uint64_t limit_events = 0;
     int error = 0; // EIO after IBV_EVENT_SRQ_ERR: receives can no longer be relied on
 
@@ -57,9 +63,15 @@ struct srq_state {
     // The completion of a receive of this SRQ was polled: one fewer posted, which resumes the
     // low_water() waiters whose limit that crosses.
     void consumed() noexcept;
+    // Arms the SRQ limit at `limit` (throws std::system_error naming ibv_modify_srq).
+    void arm(std::uint32_t limit);
+    // The largest n of the low_water() waiters (0: none waits).
+    std::uint32_t largest_waiting() const noexcept;
     // A QP receiving from this SRQ was made with `recv_cq`.
     void attach(const std::shared_ptr<cq_state>& recv_cq);
-    // From device_events (the async event's routing).
+    // From device_events (the async event's routing). IBV_EVENT_SRQ_LIMIT_REACHED: resumes the
+    // waiters whose n the armed limit proves crossed, or posted() does, and arms the SRQ again
+    // for the largest n still waiting.
     void limit_reached() noexcept;
     void failed() noexcept;
 };
