@@ -5,6 +5,7 @@
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/mmap_keys.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
 #include <algorithm>
@@ -21,12 +22,15 @@ srq_state::srq_state(io_context& c, const verbs::protection_domain& pd, std::uin
     ibv_srq_init_attr init{};
     init.attr.max_wr = wr;
     init.attr.max_sge = sge;
+    verbs::detail::prepare_for_queues(pd.native()->context);
     errno = 0;
     ibv_srq* raw = ibv_create_srq(pd.native(), &init);
+    const int err = errno;
     if (raw == nullptr)
-        throw_system_error(verbs::errno_or_eio(errno), "ibv_create_srq(max_wr " +
-                                                           std::to_string(wr) + ", max_sge " +
-                                                           std::to_string(sge) + ")");
+        throw_system_error(verbs::errno_or_eio(err),
+                           "ibv_create_srq(max_wr " + std::to_string(wr) + ", max_sge " +
+                               std::to_string(sge) + ")" +
+                               verbs::detail::create_failure_note(pd.native()->context, err));
     srq =
         std::shared_ptr<ibv_srq>(raw, [pd_keep = pd.handle()](ibv_srq* s) { ibv_destroy_srq(s); });
     max_wr = init.attr.max_wr;  // what the device granted

@@ -1,4 +1,5 @@
 #include <ringverbs/verbs/completion_queue.hpp>
+#include <ringverbs/verbs/detail/mmap_keys.hpp>
 
 #include <string>
 
@@ -35,12 +36,17 @@ completion_queue::completion_queue(const context& ctx, int entries,
     state->ctx = ctx.handle();
     if (channel != nullptr) state->channel = channel->handle();
 
+    detail::prepare_for_queues(ctx.native());
     errno = 0;
     // cq_context is the state, not the user's pointer: completion_channel::get_event() needs it
     // to count unacked events, and its address does not move with the wrapper.
     state->cq = ibv_create_cq(ctx.native(), entries, state.get(),
                               channel != nullptr ? channel->native() : nullptr, comp_vector);
-    if (state->cq == nullptr) throw_system_error(errno_or_eio(errno), what);
+    if (state->cq == nullptr) {
+        const int err = errno;
+        throw_system_error(errno_or_eio(err),
+                           what + detail::create_failure_note(ctx.native(), err));
+    }
     state_ = std::move(state);
 }
 

@@ -1,4 +1,5 @@
 #include <ringverbs/verbs/context.hpp>
+#include <ringverbs/verbs/detail/mmap_keys.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
 #include <arpa/inet.h>
@@ -25,7 +26,10 @@ context::context(device dev) {
     if (raw == nullptr)
         throw_system_error(errno_or_eio(errno), "ibv_open_device(" + std::string(dev.name()) + ")");
     // ibv_close_device cannot fail in a way the caller could act on (it always returns 0).
-    ctx_ = std::shared_ptr<ibv_context>(raw, [](ibv_context* c) { ibv_close_device(c); });
+    ctx_ = std::shared_ptr<ibv_context>(raw, [](ibv_context* c) {
+        detail::forget_context(c); // its guard CQ (mmap_keys.hpp), if any, goes first
+        ibv_close_device(c);
+    });
 }
 
 context::context(std::string_view name) : context(device_list().at(name)) {}

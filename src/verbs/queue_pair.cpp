@@ -1,3 +1,4 @@
+#include <ringverbs/verbs/detail/mmap_keys.hpp>
 #include <ringverbs/verbs/queue_pair.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
@@ -65,15 +66,18 @@ queue_pair::queue_pair(const protection_domain& pd, const completion_queue& send
     ibv_qp_init_attr init = rc_init_attr(send_cq.native(), recv_cq.native(), caps, srq);
     init.sq_sig_all = sq_sig_all ? 1 : 0;
 
+    detail::prepare_for_queues(pd.native()->context);
     errno = 0;
     ibv_qp* raw = ibv_create_qp(pd.native(), &init);
+    const int err = errno;
     if (raw == nullptr)
-        throw_system_error(errno_or_eio(errno),
+        throw_system_error(errno_or_eio(err),
                            "ibv_create_qp(RC, send_wr " + std::to_string(caps.max_send_wr) +
                                ", recv_wr " + std::to_string(caps.max_recv_wr) + ", send_sge " +
                                std::to_string(caps.max_send_sge) + ", recv_sge " +
                                std::to_string(caps.max_recv_sge) + ", inline " +
-                               std::to_string(caps.max_inline_data) + ")");
+                               std::to_string(caps.max_inline_data) + ")" +
+                               detail::create_failure_note(pd.native()->context, err));
     // The shares keep the PD and both CQs alive as long as the QP: verbs would refuse to destroy
     // them under a live QP (EBUSY) and the QP would be left pointing at nothing.
     qp_ = std::shared_ptr<ibv_qp>(raw, [pd_keep = pd.handle(), scq = send_cq.handle(),

@@ -1,0 +1,70 @@
+#include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/verbs/detail/mmap_keys.hpp>
+
+#include <mutex>
+#include <unordered_map>
+
+namespace ringverbs::verbs::detail {
+
+namespace {
+
+// ibv_device_attr::vendor_id of Soft-iWARP.
+constexpr std::uint32_t siw_vendor_id = 0x626d74;
+// 32768 entries of 32 bytes plus the control word: 257 pages, past page offset 144.
+constexpr int guard_entries = 32768;
+
+struct context_record {
+    bool siw = false;
+    ibv_cq* guard = nullptr;
+};
+
+std::mutex records_lock;
+std::unordered_map<ibv_context*, context_record>& records() {
+    static auto* r = new std::unordered_map<ibv_context*, context_record>; // never destroyed
+    return *r;
+}
+
+} // namespace
+
+void prepare_for_queues(ibv_context* ctx) noexcept {
+    std::lock_guard g(records_lock);
+    try {
+        auto [it, fresh] = records().try_emplace(ctx);
+        if (!fresh) return;
+        ibv_device_attr attr{};
+        if (ibv_query_device(ctx, &attr) != 0 || attr.vendor_id != siw_vendor_id) return;
+        it->second.siw = true;
+        errno = 0;
+        it->second.guard = ibv_create_cq(ctx, guard_entries, nullptr, nullptr, 0);
+        if (it->second.guard == nullptr)
+            ringverbs::detail::diagnose(
+                "%s: no guard CQ against libsiw's mmap key collision (ibv_create_cq of %d "
+                "entries: errno %d): a create whose queue starts at page offset 144 of this "
+                "context will fail",
+                ibv_get_device_name(ctx->device), guard_entries, errno);
+    } catch (...) {
+        // Out of memory for the record: the creates go on unguarded.
+    }
+}
+
+void forget_context(ibv_context* ctx) noexcept {
+    std::lock_guard g(records_lock);
+    auto it = records().find(ctx);
+    if (it == records().end()) return;
+    if (it->second.guard) ibv_destroy_cq(it->second.guard);
+    records().erase(it);
+}
+
+std::string create_failure_note(ibv_context* ctx, int saved_errno) {
+    if (saved_errno != 0) return {};
+    std::lock_guard g(records_lock);
+    auto it = records().find(ctx);
+    if (it == records().end() || !it->second.siw) return {};
+    return it->second.guard
+               ? " (libsiw returned no object and errno 0)"
+               : " (libsiw returned no object and errno 0: its mmap key collided with "
+                 "SIW_INVAL_UOBJ_KEY, page offset 144 of this context, a libsiw bug; objects "
+                 "made on this context before ringverbs' first one defeat its guard)";
+}
+
+} // namespace ringverbs::verbs::detail
