@@ -7,11 +7,11 @@
 #    header compiled alone, the C++17 guard), the consumer suite (tests/consumer as a
 #    subproject and installed via pkg-config), the rdma suite where a real RDMA device exists
 #    (tools/softroce-vm: directly, or Soft-RoCE in QEMU; then again in QEMU on Debian 13's
-#    6.12 kernel), the cluster suite on two Soft-RoCE
+#    6.12 kernel; its runtime part on Soft-iWARP too), the cluster suite on two Soft-RoCE
 #    guests joined by a virtual link (tools/softroce-vm -n 2: echo across hosts, faults on the
 #    link), the engine benchmark (it fails when our steady state allocates).
 # 2. Clang build with AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/): both
-#    suites again.
+#    suites again, and the hostile peer against the ASan-built servers.
 # 3. Clang build with ThreadSanitizer (build-tsan/): the engine tests where threads meet
 #    (cross-thread post/schedule/stop, stop_token racing completions).
 # Ends with one line "tests: N passed, N failed, N skipped" and exits non-zero when anything
@@ -38,7 +38,7 @@ configure() { # dir, compiler, extra meson args...
     ninja -C "$dir"
 }
 
-# run_suite NAME BUILD_DIR "SUITE [SUITE...]" [vm|vm-6.12|cluster]
+# run_suite NAME BUILD_DIR "SUITE [SUITE...]" [vm|vm-6.12|vm-siw|cluster]
 run_suite() {
     local name=$1 dir=$2 suites=$3 where=${4:-host} rc=0 s
     echo
@@ -49,6 +49,8 @@ run_suite() {
         tools/softroce-vm -t 1200 -- "${cmd[@]}" || rc=$?
     elif [ "$where" = vm-6.12 ]; then
         tools/softroce-vm -k 6.12 -t 1200 -- "${cmd[@]}" || rc=$?
+    elif [ "$where" = vm-siw ]; then
+        tools/softroce-vm -p siw -t 1500 -- "${cmd[@]}" || rc=$?
     elif [ "$where" = cluster ]; then
         tools/softroce-vm -n 2 -t 1500 -- "${cmd[@]}" || rc=$?
     else
@@ -90,6 +92,13 @@ show_faults 6.1
 # queue, flushes that 6.1 drops).
 run_suite rdma-gcc-6.12 build rdma vm-6.12
 show_faults 6.12
+# The runtime tests (suite 'runtime': tests/verbs, tests/rdma, the soak) on a second provider:
+# Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1. Cases
+# that need InfiniBand/RoCE or what siw lacks are listed as skipped there, with the reason.
+run_suite rdma-gcc-siw build runtime vm-siw
+echo "!!! rdma_soak on siw: SKIPPED (not in suite 'runtime' yet: 2 of 1,000,005 requests end as"
+echo "    'other error' with 2 completions held by the fault hooks; 0 lost, 0 duplicated; issue 24)"
+echo "skipped rdma_soak-siw" >> "$logs/skipped-suites"
 # Two guests joined by a virtual link (tools/softroce-vm -n 2): echo across hosts, faults on
 # the link (tests/cluster).
 run_suite cluster-gcc build cluster cluster
@@ -110,7 +119,13 @@ configure build-asan clang++ --buildtype=debugoptimized -Db_sanitize=address,und
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 run_suite engine-asan build-asan engine
-run_suite rdma-asan build-asan rdma vm
+# The hostile peer again, against servers built with ASan/UBSan: a peer's bytes that reach
+# memory they should not fail here even when nothing crashes.
+run_suite rdma-asan build-asan "rdma hostile" vm
+if [ -f build-asan/bench-results/hostile.json ]; then
+    echo "hostile.json of the ASan build (build-asan/bench-results/hostile.json):"
+    cat build-asan/bench-results/hostile.json
+fi
 
 echo
 echo "=== Clang + ThreadSanitizer (build-tsan/): the engine tests where threads meet"

@@ -23,8 +23,8 @@ constexpr std::uint32_t siw_vendor_id = 0x626d74;
 bool raises_solicited_events(channel_state& ch) noexcept {
     if (ch.solicited_events < 0) {
         ibv_device_attr attr{};
-        const bool siw = ibv_query_device(ch.device.native(), &attr) == 0 &&
-                         attr.vendor_id == siw_vendor_id;
+        const bool siw =
+            ibv_query_device(ch.device.native(), &attr) == 0 && attr.vendor_id == siw_vendor_id;
         ch.solicited_events = siw ? 0 : 1;
         if (siw)
             diagnose("%s: the device never raises an event for a solicited receive (siw): CQs "
@@ -38,8 +38,7 @@ bool raises_solicited_events(channel_state& ch) noexcept {
 
 cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vector, bool solicited)
     : channel(std::move(ch)), cq(channel->device, entries, &channel->channel, comp_vector, this),
-      solicited_only(solicited),
-      arm_solicited(solicited && raises_solicited_events(*channel)) {
+      solicited_only(solicited), arm_solicited(solicited && raises_solicited_events(*channel)) {
     unsignaled.owner = this;
     unsignaled.on_wc = [](wr_op* op, const ibv_wc& wc, bool) noexcept {
         if (wc.status == IBV_WC_SUCCESS) return; // a QP made with sq_sig_all

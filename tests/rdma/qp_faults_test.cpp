@@ -158,8 +158,8 @@ TEST_CASE("a flush that never comes: the await ends after flush_timeout, as neve
     CHECK(plain.what.find("ibv_post_recv: never flushed by the device") != std::string::npos);
     CHECK(p.b->pending() == 0);
     // Reset by the bound (siw reports no state: the runtime's record is out of error again).
-    CHECK((device_reports_qp_state() ? p.b->native_qp().state() == IBV_QPS_RESET
-                                     : !p.b->in_error()));
+    CHECK(
+        (device_reports_qp_state() ? p.b->native_qp().state() == IBV_QPS_RESET : !p.b->in_error()));
     MESSAGE(plain.what);
 }
 

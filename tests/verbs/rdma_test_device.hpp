@@ -21,12 +21,15 @@ namespace ringverbs::test {
 
 // Test suites of cases that need what some devices do not have; rdma_test_main.cpp filters
 // them out there (doctest lists them as skipped) and says why:
-// - InfiniBand/RoCE transport (RNR, manual QP state changes, WRITE WITH IMMEDIATE, IB CM
-//   reject reasons, a QP state ibv_query_qp reports): not on iWARP;
+// - InfiniBand/RoCE transport (RNR, manual QP state changes and reconnecting a QP, SEND and
+//   WRITE WITH IMMEDIATE, atomics, IB CM reject reasons): not on iWARP;
 inline constexpr const char* ib_roce_only = "ib_roce_only";
 // - an event for a solicited receive on a CQ armed solicited-only: not on siw, whose 6.1
 //   driver completes receives without the solicited flag (cq_options::solicited_only).
 inline constexpr const char* solicited_events = "solicited_events";
+// - a QP's own remote access flags enforced by the target: not on siw, which checks only a
+//   region's rights.
+inline constexpr const char* qp_access_checked = "qp_access_checked";
 inline constexpr std::uint32_t siw_vendor_id = 0x626d74;
 
 // The device, port and GID index the tests use.

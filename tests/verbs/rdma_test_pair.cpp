@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -33,6 +34,7 @@ struct pair_link::ids {
 };
 
 pair_link::pair_link() noexcept = default;
+pair_link::pair_link(std::unique_ptr<ids> held) noexcept : ids_(std::move(held)) {}
 pair_link::pair_link(pair_link&&) noexcept = default;
 pair_link& pair_link::operator=(pair_link&&) noexcept = default;
 pair_link::~pair_link() = default;
@@ -68,6 +70,12 @@ rdma_cm_id* expect(rdma_event_channel* ch, rdma_cm_event_type want, const char* 
 
 } // namespace
 
+namespace {
+
+pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b);
+
+} // namespace
+
 pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access remote_rights,
                        const verbs::rts_params& send_side) {
     const rdma_test_device& dev = rdma_device();
@@ -78,6 +86,24 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
     // The access rights are the QP's own (siw takes them at INIT); the CM moves it on from there.
     a.to_init(dev.port, remote_rights);
     b.to_init(dev.port, remote_rights);
+    // rdma_cm picks the listening port from its own port space, which iWARP then binds in the
+    // kernel's TCP space: a port still held there (a connection of an earlier pair closing)
+    // refuses the connect at once. Another listening port then does; a few tries, said aloud.
+    for (int attempt = 1;; ++attempt) {
+        try {
+            return connect_iwarp(a, b);
+        } catch (const std::system_error& e) {
+            if (e.code().value() != ECONNREFUSED || attempt == 5) throw;
+            std::fprintf(stderr, "connect_pair: %s; trying another port (%d of 5)\n", e.what(),
+                         attempt + 1);
+        }
+    }
+}
+
+namespace {
+
+pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b) {
+    const rdma_test_device& dev = rdma_device();
 
     const char* addr = std::getenv("RINGVERBS_ADDR");
     if (addr == nullptr || *addr == '\0')
@@ -87,9 +113,8 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
     if (::inet_pton(AF_INET, addr, &sin.sin_addr) != 1)
         fail(EINVAL, std::string("RINGVERBS_ADDR=") + addr + " is not an IPv4 address");
 
-    pair_link link;
-    link.ids_ = std::make_unique<pair_link::ids>();
-    auto& s = *link.ids_;
+    auto held = std::make_unique<pair_link::ids>();
+    auto& s = *held;
     s.channel = rdma_create_event_channel();
     if (s.channel == nullptr) fail(errno, "rdma_create_event_channel");
     if (rdma_create_id(s.channel, &s.listening, nullptr, RDMA_PS_TCP) != 0)
@@ -123,7 +148,9 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
     // Both ends report ESTABLISHED on the one channel, in either order.
     expect(s.channel, RDMA_CM_EVENT_ESTABLISHED, "establishing");
     expect(s.channel, RDMA_CM_EVENT_ESTABLISHED, "establishing");
-    return link;
+    return pair_link(std::move(held));
 }
+
+} // namespace
 
 } // namespace ringverbs::test

@@ -29,10 +29,9 @@ class pair_link {
     void reset() noexcept;
 
     struct ids;
+    explicit pair_link(std::unique_ptr<ids> held) noexcept;
 
   private:
-    friend pair_link connect_pair(verbs::queue_pair&, verbs::queue_pair&, verbs::access,
-                                  const verbs::rts_params&);
     std::unique_ptr<ids> ids_;
 };
 

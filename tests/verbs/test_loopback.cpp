@@ -220,24 +220,38 @@ TEST_CASE("RDMA read") {
     }
 }
 
-TEST_CASE("least privilege: RDMA into a region or QP without the right fails remotely") {
+TEST_CASE("least privilege: RDMA WRITE into a region registered without remote_write fails "
+          "remotely and leaves it untouched") {
     std::vector<std::byte> src = pattern(256, 41);
     std::vector<std::byte> dst(256, std::byte{0x55});
     const std::vector<std::byte> untouched = dst;
-
-    SUBCASE("region registered without remote_write") {
-        loopback lp(verbs::access::remote_write);
-        verbs::memory_region smr(lp.pd, src, verbs::access::none);
-        verbs::memory_region dmr(lp.pd, dst); // the default: local_write only
-        ibv_sge sge = smr.sge();
-        ibv_send_wr wr = rdma_wr(1, IBV_WR_RDMA_WRITE, sge, dmr);
-        lp.a.post_send(wr);
-        const auto wcs = lp.wait(1);
+    loopback lp(verbs::access::remote_write);
+    verbs::memory_region smr(lp.pd, src, verbs::access::none);
+    verbs::memory_region dmr(lp.pd, dst); // the default: local_write only
+    ibv_sge sge = smr.sge();
+    ibv_send_wr wr = rdma_wr(1, IBV_WR_RDMA_WRITE, sge, dmr);
+    lp.a.post_send(wr);
+    const auto wcs = lp.wait(1);
+    if (rdma_device().iwarp) {
+        // iWARP completes a WRITE once it is sent (no per-WRITE acknowledgement); the target
+        // refuses it with a TERMINATE, which ends the connection: nothing lands.
+        CHECK_MESSAGE((wcs[0].status == IBV_WC_SUCCESS || wcs[0].status == IBV_WC_REM_ACCESS_ERR),
+                      std::string(ibv_wc_status_str(wcs[0].status)));
+    } else {
         CHECK_MESSAGE(wcs[0].status == IBV_WC_REM_ACCESS_ERR,
                       std::string(ibv_wc_status_str(wcs[0].status)));
-        CHECK(dst == untouched);
     }
-    SUBCASE("QP that grants no remote_read") {
+    CHECK(dst == untouched);
+}
+
+// siw enforces a region's rights but not a QP's (siw_qp_modify records the QP's access flags,
+// and nothing on its receive path reads them): the suite qp_access_checked is left out there.
+TEST_CASE("least privilege: RDMA READ through a QP that grants no remote_read fails remotely" *
+          doctest::test_suite(qp_access_checked)) {
+    std::vector<std::byte> src = pattern(256, 41);
+    std::vector<std::byte> dst(256, std::byte{0x55});
+    const std::vector<std::byte> untouched = dst;
+    {
         loopback lp; // the default: no remote rights
         verbs::memory_region rmr(lp.pd, src, verbs::access::remote_read);
         verbs::memory_region lmr(lp.pd, dst);
