@@ -13,7 +13,8 @@
 # 2. Clang build with AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/): both
 #    suites again, and the hostile peer against the ASan-built servers.
 # 3. Clang build with ThreadSanitizer (build-tsan/): the engine tests where threads meet
-#    (cross-thread post/schedule/stop, stop_token racing completions).
+#    (cross-thread post/schedule/stop, stop_token racing completions), and on the device (VM
+#    with -cpu max) the rdma cases where threads meet.
 # Ends with one line "tests: N passed, N failed, N skipped" and exits non-zero when anything
 # failed. A suite that cannot run (no device and no VM) is reported as SKIPPED, never passed.
 set -euo pipefail
@@ -141,6 +142,24 @@ rc=0
 meson test -C build-tsan --no-rebuild --print-errorlogs --logbase engine-tsan "${tsan_tests[@]}" || rc=$?
 cp build-tsan/meson-logs/engine-tsan.json "$logs/" 2>/dev/null || true
 [ $rc -eq 0 ] || { echo "!!! engine-tsan: FAILED (exit $rc)"; status=1; }
+
+echo
+echo "=== ThreadSanitizer on a device: the rdma cases where threads meet (doctest suite 'threads':"
+echo "    events routed to another thread's cq and srq, two threads with their own contexts)"
+tsan_rdma=(rdma_device_events rdma_srq rdma_channel)
+# shellcheck disable=SC2046 # word splitting wanted: one target per test
+ninja -C build-tsan $(printf 'tests/rdma/%s_test ' "${tsan_rdma[@]}")
+# TSan's runtime dies with SIGILL on QEMU's default qemu64 CPU: the guest gets -cpu max.
+rc=0
+RINGVERBS_QEMU_CPU=max tools/softroce-vm -t 900 -- meson test -C build-tsan --no-rebuild \
+    --print-errorlogs --logbase rdma-tsan --test-args=-ts=threads "${tsan_rdma[@]}" || rc=$?
+cp build-tsan/meson-logs/rdma-tsan.json "$logs/" 2>/dev/null || true
+case $rc in
+    0) ;;
+    77) echo "!!! rdma-tsan: SKIPPED: no RDMA device and no Soft-RoCE VM available"
+        echo "skipped rdma-tsan" >> "$logs/skipped-suites" ;;
+    *) echo "!!! rdma-tsan: FAILED (exit $rc)"; status=1 ;;
+esac
 
 echo
 python3 - "$logs" <<'PY' || status=1

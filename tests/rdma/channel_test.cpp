@@ -225,7 +225,8 @@ TEST_CASE("adaptive hybrid: bursts with random gaps all complete, the window sta
                                         << lp.ch.counters().wakeups << " wakeups");
 }
 
-TEST_CASE("two threads, each with its own io_context, channel and CQs") {
+TEST_CASE("two threads, each with its own io_context, channel and CQs" *
+          doctest::test_suite(ringverbs::test::threads)) {
     device dev;
     constexpr int per_thread = 2000;
     int ok[2] = {0, 0};

@@ -218,7 +218,8 @@ TEST_CASE("device_events: one watcher per context; next() ends by timeout, stop_
 // on others. Their events must still reach them (before: "another thread's: next() only", so
 // the cq's next() waited for its own timeout and its qp was not failed).
 TEST_CASE("device_events routes a CQ overrun to a cq of another thread's io_context: its next() "
-          "fails with EOVERFLOW there, its qp is moved to the error state") {
+          "fails with EOVERFLOW there, its qp is moved to the error state" *
+          doctest::test_suite(ringverbs::test::threads)) {
     device d;
     io_context watcher_io;
     device_events events(watcher_io, d.ctx);

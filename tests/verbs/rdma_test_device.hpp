@@ -30,6 +30,9 @@ inline constexpr const char* solicited_events = "solicited_events";
 // - a QP's own remote access flags enforced by the target: not on siw, which checks only a
 //   region's rights.
 inline constexpr const char* qp_access_checked = "qp_access_checked";
+// Cases where threads meet (objects of several io_contexts, cross-thread routing): tools/test.sh
+// runs this suite again under ThreadSanitizer in the VM (doctest -ts=threads).
+inline constexpr const char* threads = "threads";
 inline constexpr std::uint32_t siw_vendor_id = 0x626d74;
 
 // The device, port and GID index the tests use.
