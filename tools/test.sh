@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs every test of ringverbs. Installs what is missing first (as root on Debian 12).
 #
-#   tools/test.sh
+#   tools/test.sh                the whole run below (what .ci/run runs)
+#   tools/test.sh --quick        the inner loop: GCC build, the engine suite on the host and the
+#                                rdma suite on Soft-RoCE (6.1) in one VM boot (a few minutes)
+#   tools/test.sh --suite NAME   GCC build, then that Meson suite alone, where it runs: engine,
+#                                consumer (host); rdma, hostile, consumer-rdma (VM, rxe);
+#                                runtime (VM, rxe, then siw); cluster (two VMs)
 #
 # 1. GCC build (build/, warnings as errors): the engine suite on the host (every public
 #    header compiled alone, the C++17 guard), the consumer suite (tests/consumer as a
@@ -20,6 +25,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
+
+quick=0 only_suite=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --quick) quick=1 ;;
+        --suite)
+            [ $# -ge 2 ] || { echo "test.sh: --suite needs a name" >&2; exit 2; }
+            only_suite=$2
+            shift ;;
+        -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "test.sh: unknown argument '$1' (--quick, --suite NAME, --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
 
 bash tools/lib/install-deps.sh
 
@@ -68,8 +87,58 @@ run_suite() {
     esac
 }
 
+# The closing lines: per suite run, then "tests: N passed, N failed, N skipped".
+summarize() {
+python3 - "$logs" <<'PY' || status=1
+import json, os, sys
+logs = sys.argv[1]
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+for name in sorted(os.listdir(logs)):
+    if not name.endswith(".json"):
+        continue
+    per = {"passed": 0, "failed": 0, "skipped": 0}
+    with open(os.path.join(logs, name)) as f:
+        for line in f:
+            r = json.loads(line)
+            res = r.get("result")
+            key = "passed" if res in ("OK", "EXPECTEDFAIL") else "skipped" if res == "SKIP" else "failed"
+            per[key] += 1
+    print(f"  {name[:-5]:<12} {per['passed']} passed, {per['failed']} failed, {per['skipped']} skipped")
+    for k in counts:
+        counts[k] += per[k]
+skipped_suites = os.path.join(logs, "skipped-suites")
+if os.path.exists(skipped_suites):
+    print("  SKIPPED suites:", ", ".join(l.split()[1] for l in open(skipped_suites)))
+print(f"tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+sys.exit(1 if counts["failed"] else 0)
+PY
+}
+
 echo "=== GCC build (build/)"
 configure build g++ --buildtype=debugoptimized
+if [ "$quick" = 1 ]; then
+    run_suite engine-gcc build engine
+    run_suite rdma-gcc build rdma vm
+    echo
+    summarize
+    exit $status
+fi
+if [ -n "$only_suite" ]; then
+    case $only_suite in
+        engine | consumer) run_suite "$only_suite-gcc" build "$only_suite" ;;
+        rdma | hostile | consumer-rdma) run_suite "$only_suite-gcc" build "$only_suite" vm ;;
+        runtime)
+            run_suite runtime-gcc build runtime vm
+            run_suite runtime-gcc-siw build runtime vm-siw ;;
+        cluster) run_suite cluster-gcc build cluster cluster ;;
+        *) echo "test.sh: no suite '$only_suite' (engine, consumer, rdma, hostile, consumer-rdma," \
+               "runtime, cluster)" >&2
+           exit 2 ;;
+    esac
+    echo
+    summarize
+    exit $status
+fi
 run_suite engine-gcc build engine
 # tests/consumer built as a Meson subproject and against a staged meson install through
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
@@ -162,27 +231,5 @@ case $rc in
 esac
 
 echo
-python3 - "$logs" <<'PY' || status=1
-import json, os, sys
-logs = sys.argv[1]
-counts = {"passed": 0, "failed": 0, "skipped": 0}
-for name in sorted(os.listdir(logs)):
-    if not name.endswith(".json"):
-        continue
-    per = {"passed": 0, "failed": 0, "skipped": 0}
-    with open(os.path.join(logs, name)) as f:
-        for line in f:
-            r = json.loads(line)
-            res = r.get("result")
-            key = "passed" if res in ("OK", "EXPECTEDFAIL") else "skipped" if res == "SKIP" else "failed"
-            per[key] += 1
-    print(f"  {name[:-5]:<12} {per['passed']} passed, {per['failed']} failed, {per['skipped']} skipped")
-    for k in counts:
-        counts[k] += per[k]
-skipped_suites = os.path.join(logs, "skipped-suites")
-if os.path.exists(skipped_suites):
-    print("  SKIPPED suites:", ", ".join(l.split()[1] for l in open(skipped_suites)))
-print(f"tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
-sys.exit(1 if counts["failed"] else 0)
-PY
+summarize
 exit $status

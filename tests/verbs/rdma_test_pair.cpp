@@ -86,14 +86,18 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
     // The access rights are the QP's own (siw takes them at INIT); the CM moves it on from there.
     a.to_init(dev.port, remote_rights);
     b.to_init(dev.port, remote_rights);
-    // rdma_cm picks the listening port from its own port space, which iWARP then binds in the
-    // kernel's TCP space: a port still held there (a connection of an earlier pair closing)
-    // refuses the connect at once. Another listening port then does; a few tries, said aloud.
+    // rdma_cm picks ports from its own port space, which iWARP then binds in the kernel's TCP
+    // space: a port still held there (a connection of an earlier pair closing) refuses the
+    // connect at once (ECONNREFUSED: the listener's port; EADDRNOTAVAIL or EADDRINUSE: the
+    // connecting side's). Other ports then do; a few tries, said aloud.
     for (int attempt = 1;; ++attempt) {
         try {
             return connect_iwarp(a, b);
         } catch (const std::system_error& e) {
-            if (e.code().value() != ECONNREFUSED || attempt == 5) throw;
+            const int err = e.code().value();
+            const bool port_taken =
+                err == ECONNREFUSED || err == EADDRNOTAVAIL || err == EADDRINUSE;
+            if (!port_taken || attempt == 5) throw;
             std::fprintf(stderr, "connect_pair: %s; trying another port (%d of 5)\n", e.what(),
                          attempt + 1);
         }
