@@ -171,22 +171,26 @@ namespace detail {
 // here and the loop waits for the step's outcome as always, bounded: the thread's failure is
 // handed to the step waiter through an eventfd the loop watches (the call's success needs
 // nothing: ESTABLISHED or REJECTED follows as an event).
-// Invariants: while the call runs, the loop makes no librdmacm call on the id (the kernel
-// holds the id's lock for the whole connect: rdma_disconnect or rdma_destroy_id would block
-// the loop until it ends). An id whose state goes first is destroyed by the thread when the
-// call returns (`destroy_id`), with a share of the event channel kept until then.
+// Invariants: while the call runs, the loop makes no librdmacm call on the id and no verbs
+// call on its QP (the kernel holds the id's lock, and siw the QP's state lock, for the whole
+// connect: rdma_disconnect, rdma_destroy_id, ibv_modify_qp or ibv_destroy_qp would block the
+// loop until it ends; measured: a stopped connect() took 129 s to return). A QP or an id
+// whose owner goes first is destroyed by the thread when the call returns (`destroy_qp`,
+// `destroy_id`), with shares of the event channel, the PD and the CQs kept until then.
 struct blocking_connect {
     rdma_cm_id* id = nullptr;
     std::shared_ptr<rdma_event_channel> channel;
     rdma_conn_param param{};
     std::vector<std::byte> data; // the private data, owned here for the thread
     int efd = -1;
-    fd_watch* watch = nullptr;    // loop side: the poll on efd
-    cm_id_state* owner = nullptr; // loop side: null once the state went
-    std::mutex m;                 // guards the three below
-    bool done = false;            // rdma_connect returned
-    int error = 0;                // its errno, 0 on success
-    bool destroy_id = false;      // the state went first: the thread destroys the id
+    fd_watch* watch = nullptr;               // loop side: the poll on efd
+    cm_id_state* owner = nullptr;            // loop side: null once the state went
+    std::mutex m;                            // guards the three below
+    bool done = false;                       // rdma_connect returned
+    int error = 0;                           // its errno, 0 on success
+    bool destroy_id = false;                 // the state went first: the thread destroys the id
+    bool destroy_qp = false;                 // the qp went first: the thread destroys the QP
+    std::vector<std::shared_ptr<void>> keep; // what the QP needs until then (PD, CQs)
 
     ~blocking_connect() {
         if (efd >= 0) ::close(efd);
@@ -241,14 +245,20 @@ struct blocking_connect {
                 const int ret = rdma_connect(job->id, &job->param);
                 const int err = ret == 0 ? 0 : (errno != 0 ? errno : EIO);
                 bool destroy = false;
+                bool destroy_qp = false;
                 {
                     const std::lock_guard lock(job->m);
                     job->done = true;
                     job->error = err;
                     destroy = job->destroy_id;
+                    destroy_qp = job->destroy_qp;
+                }
+                if (destroy_qp) {
+                    rdma_destroy_qp(job->id);
+                    job->keep.clear();
                 }
                 if (destroy) {
-                    rdma_destroy_id(job->id); // its qp went before its state did
+                    rdma_destroy_id(job->id);
                     return;
                 }
                 const std::uint64_t one = 1;
@@ -265,6 +275,15 @@ struct blocking_connect {
     bool running() noexcept {
         const std::lock_guard lock(m);
         return !done;
+    }
+
+    // The id's qp goes (loop side): true when the thread now owns the QP (and `k`).
+    bool take_qp(std::vector<std::shared_ptr<void>> k) noexcept {
+        const std::lock_guard lock(m);
+        if (done) return false;
+        destroy_qp = true;
+        keep = std::move(k);
+        return true;
     }
 
     // The state goes (loop side): stop watching; true when the thread now owns the id.
@@ -754,15 +773,9 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
     detail::mark_connection_closed(s.id);
     if (s.connecting && s.connecting->running()) {
         // iWARP's rdma_connect still runs on its thread (a step that timed out): the kernel
-        // holds the id for it, so rdma_disconnect would block this loop until TCP gives up.
-        // Nothing is connected: move the QP to the error state (its posted requests flush)
-        // and call the id disconnected now.
-        if (s.id->qp != nullptr) {
-            ibv_qp_attr attr{};
-            attr.qp_state = IBV_QPS_ERR;
-            ibv_modify_qp(s.id->qp, &attr, IBV_QP_STATE); // best effort, as below
-            detail::watch_qp_flush(s.id);
-        }
+        // holds the id and the QP for it, so rdma_disconnect (or moving the QP to error)
+        // would block this loop until TCP gives up. Nothing is connected: the id is
+        // disconnected now. Requests posted on its QP stay posted until the call returns.
         s.disconnected = true;
         while (detail::waiter* w = s.disconnect_waiters.pop_front())
             w->fulfil(0);
@@ -801,9 +814,14 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
     cm_check(rdma_create_qp(state_->id, pd.native(), &init),
              "rdma_create_qp (the PD must come from the id's device())");
     // The deleter keeps the id (rdma_destroy_qp before rdma_destroy_id), the PD and the CQs.
-    std::shared_ptr<ibv_qp> owned(state_->id->qp,
-                                  [s = state_, pd_keep = pd.handle(), scq = send_cq.handle(),
-                                   rcq = recv_cq.handle()](ibv_qp*) { rdma_destroy_qp(s->id); });
+    std::shared_ptr<ibv_qp> owned(state_->id->qp, [s = state_, pd_keep = pd.handle(),
+                                                   scq = send_cq.handle(),
+                                                   rcq = recv_cq.handle()](ibv_qp*) {
+        // iWARP's rdma_connect still running holds the QP: its
+        // thread destroys it when the call returns.
+        if (s->connecting && s->connecting->take_qp({pd_keep, scq, rcq})) return;
+        rdma_destroy_qp(s->id);
+    });
     return verbs::queue_pair(std::move(owned),
                              verbs::qp_caps{init.cap.max_send_wr, init.cap.max_recv_wr,
                                             init.cap.max_send_sge, init.cap.max_recv_sge,
