@@ -474,7 +474,8 @@ class listener_ready : detail::waiter {
 // answered (a clearer message than the kernel's EINVAL, and never taken for the peer's fault).
 void check_accept_options(const listener::state& s, const verbs::context& device) {
     const bool iwarp = device.native()->device->transport_type == IBV_TRANSPORT_IWARP;
-    const std::size_t room = iwarp ? 512 : 196; // MPA's limit; IB CM's REP
+    // iWARP: rdma_conn_param's 8-bit length (MPA itself allows 512); IB CM's REP: 196.
+    const std::size_t room = iwarp ? 255 : 196;
     if (s.private_data.size() > room)
         throw_system_error(EINVAL, "rdma_accept (connection_options::private_data is " +
                                        std::to_string(s.private_data.size()) +
