@@ -182,7 +182,7 @@ setup_failure classify(const connection_rejected& e) {
         return {busy ? "busy" : "rejected", "the server rejected the connection: " + why, busy};
     }
     const char* reason = e.by_peer_application() ? "rejected"
-                         : e.reason() == 8       ? "no_listener" // IB CM: invalid service id
+                         : e.nothing_listens()   ? "no_listener"
                                                  : "refused";
     return {reason, e.what(), false};
 }

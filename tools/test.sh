@@ -162,7 +162,7 @@ show_faults 6.1
 # queue, flushes that 6.1 drops).
 run_suite rdma-gcc-6.12 build rdma vm-6.12
 show_faults 6.12
-# The runtime tests (suite 'runtime': tests/verbs, tests/rdma, the soak) on a second provider:
+# The runtime tests (suite 'runtime': tests/verbs, tests/rdma, tests/cm) on a second provider:
 # Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1. Cases
 # that need InfiniBand/RoCE or what siw lacks are listed as skipped there, with the reason.
 run_suite rdma-gcc-siw build runtime vm-siw

@@ -6,13 +6,17 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <new>
+#include <thread>
 #include <utility>
 
 namespace ringverbs {
@@ -159,7 +163,138 @@ void accept_with_own_rnr_retry(rdma_cm_id* id, rdma_conn_param& p, const cm_conn
 
 namespace detail {
 
-namespace {} // namespace
+// rdma_connect on iWARP, on a thread of its own. siw's connect (Linux 6.1, siw_connect) makes
+// its TCP connection in blocking mode inside the rdma_connect call: to an address nobody has,
+// the call returns only when TCP gives up on its SYNs (about 130 s with the default
+// tcp_syn_retries), with the thread blocked in it and the step's bound unable to fire; to a
+// port nothing listens on, the call itself fails (ECONNREFUSED). So on iWARP the call runs
+// here and the loop waits for the step's outcome as always, bounded: the thread's failure is
+// handed to the step waiter through an eventfd the loop watches (the call's success needs
+// nothing: ESTABLISHED or REJECTED follows as an event).
+// Invariants: while the call runs, the loop makes no librdmacm call on the id and no verbs
+// call on its QP (the kernel holds the id's lock, and siw the QP's state lock, for the whole
+// connect: rdma_disconnect, rdma_destroy_id, ibv_modify_qp or ibv_destroy_qp would block the
+// loop until it ends; measured: a stopped connect() took 129 s to return). A QP or an id
+// whose owner goes first is destroyed by the thread when the call returns (`destroy_qp`,
+// `destroy_id`), with shares of the event channel, the PD and the CQs kept until then.
+struct blocking_connect {
+    rdma_cm_id* id = nullptr;
+    std::shared_ptr<rdma_event_channel> channel;
+    rdma_conn_param param{};
+    std::vector<std::byte> data; // the private data, owned here for the thread
+    int efd = -1;
+    fd_watch* watch = nullptr;               // loop side: the poll on efd
+    cm_id_state* owner = nullptr;            // loop side: null once the state went
+    std::mutex m;                            // guards the three below
+    bool done = false;                       // rdma_connect returned
+    int error = 0;                           // its errno, 0 on success
+    bool destroy_id = false;                 // the state went first: the thread destroys the id
+    bool destroy_qp = false;                 // the qp went first: the thread destroys the QP
+    std::vector<std::shared_ptr<void>> keep; // what the QP needs until then (PD, CQs)
+
+    ~blocking_connect() {
+        if (efd >= 0) ::close(efd);
+    }
+
+    // The loop learns that rdma_connect returned: a failure ends the step.
+    static void ready(void* self, unsigned) noexcept {
+        auto* job = static_cast<blocking_connect*>(self);
+        std::uint64_t n = 0;
+        [[maybe_unused]] const auto r = ::read(job->efd, &n, sizeof n);
+        int err = 0;
+        {
+            const std::lock_guard lock(job->m);
+            if (!job->done) return;
+            err = job->error;
+        }
+        cm_id_state* s = job->owner;
+        if (s == nullptr || err == 0) return;
+        cm_event_data d;
+        if (err == ECONNREFUSED) {
+            d.type = RDMA_CM_EVENT_REJECTED;
+            d.nothing_listens = true;
+        } else {
+            d.type = RDMA_CM_EVENT_CONNECT_ERROR;
+        }
+        d.status = -err;
+        if (waiter* w = s->step_waiters.pop_front()) {
+            static_cast<cm_step_waiter*>(w)->result = std::move(d);
+            w->fulfil(0);
+        }
+    }
+    static void failed(void*, int) noexcept {} // the step's bound still ends the wait
+
+    // Starts the thread. Throws std::system_error (eventfd, the poll, the thread).
+    static std::shared_ptr<blocking_connect> start(cm_id_state& s, const rdma_conn_param& p) {
+        auto job = std::make_shared<blocking_connect>();
+        job->id = s.id;
+        job->channel = s.channel->channel;
+        job->param = p;
+        if (p.private_data != nullptr) {
+            const auto* b = static_cast<const std::byte*>(p.private_data);
+            job->data.assign(b, b + p.private_data_len);
+            job->param.private_data = job->data.data();
+        }
+        job->efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (job->efd < 0) throw_system_error(errno, "eventfd (for rdma_connect's thread)");
+        job->owner = &s;
+        job->watch = fd_watch::start(*s.channel->ctx, job->efd, job, job.get(), ready, failed);
+        try {
+            std::thread([job] {
+                errno = 0;
+                const int ret = rdma_connect(job->id, &job->param);
+                const int err = ret == 0 ? 0 : (errno != 0 ? errno : EIO);
+                bool destroy = false;
+                bool destroy_qp = false;
+                {
+                    const std::lock_guard lock(job->m);
+                    job->done = true;
+                    job->error = err;
+                    destroy = job->destroy_id;
+                    destroy_qp = job->destroy_qp;
+                }
+                if (destroy_qp) {
+                    rdma_destroy_qp(job->id);
+                    job->keep.clear();
+                }
+                if (destroy) {
+                    rdma_destroy_id(job->id);
+                    return;
+                }
+                const std::uint64_t one = 1;
+                [[maybe_unused]] const auto n = ::write(job->efd, &one, sizeof one);
+            }).detach();
+        } catch (const std::system_error&) {
+            job->abandon(); // the call never ran: nothing for a thread to destroy
+            throw;
+        }
+        return job;
+    }
+
+    // rdma_connect is still running on its thread (loop side).
+    bool running() noexcept {
+        const std::lock_guard lock(m);
+        return !done;
+    }
+
+    // The id's qp goes (loop side): true when the thread now owns the QP (and `k`).
+    bool take_qp(std::vector<std::shared_ptr<void>> k) noexcept {
+        const std::lock_guard lock(m);
+        if (done) return false;
+        destroy_qp = true;
+        keep = std::move(k);
+        return true;
+    }
+
+    // The state goes (loop side): stop watching; true when the thread now owns the id.
+    bool abandon() noexcept {
+        owner = nullptr;
+        if (watch != nullptr) std::exchange(watch, nullptr)->release();
+        const std::lock_guard lock(m);
+        if (!done) destroy_id = true;
+        return destroy_id;
+    }
+};
 
 cm_channel_state::cm_channel_state(io_context& c) : ctx(&c) {
     errno = 0;
@@ -373,7 +508,11 @@ cm_id_state::cm_id_state(std::shared_ptr<cm_channel_state> ch, rdma_cm_id* raw)
 cm_id_state::~cm_id_state() {
     backlog.clear();
     if (unanswered) rdma_reject(id, nullptr, 0);
-    rdma_destroy_id(id);
+    if (connecting && connecting->abandon()) {
+        id->context = nullptr; // its late events find no state
+    } else {
+        rdma_destroy_id(id);
+    }
     if (listed) channel->unlist(this);
 }
 
@@ -406,10 +545,18 @@ cm_channel::~cm_channel() = default;
 
 connection_rejected::connection_rejected(int reason, std::string reason_text,
                                          std::vector<std::byte> data, const char* call)
+    : connection_rejected(reason, std::move(reason_text), std::move(data), call,
+                          reason == detail::ib_cm_consumer_reject,
+                          reason == detail::ib_cm_invalid_service_id) {}
+
+connection_rejected::connection_rejected(int reason, std::string reason_text,
+                                         std::vector<std::byte> data, const char* call,
+                                         bool by_peer_application, bool nothing_listens)
     : std::system_error(ECONNREFUSED, std::system_category(),
                         std::string(call) + ": rejected by the peer: reason " +
                             std::to_string(reason) + " (" + reason_text + ")"),
-      reason_(reason), data_(std::move(data)) {}
+      reason_(reason), by_application_(by_peer_application), nothing_listens_(nothing_listens),
+      data_(std::move(data)) {}
 
 cm_id::cm_id(cm_channel& ch) {
     rdma_cm_id* raw = nullptr;
@@ -448,8 +595,9 @@ cm_id& cm_id::operator=(cm_id&& other) noexcept {
 cm_id::in_transit cm_id::migrate(cm_channel& target) && {
     if (!state_) throw_system_error(EINVAL, "cm_id::migrate (an empty handle)");
     detail::cm_id_state& s = *state_;
-    if (s.id->qp != nullptr || !s.step_waiters.empty() || !s.accept_waiters.empty() ||
-        !s.disconnect_waiters.empty() || !s.backlog.empty())
+    if (s.id->qp != nullptr || (s.connecting && s.connecting->running()) ||
+        !s.step_waiters.empty() || !s.accept_waiters.empty() || !s.disconnect_waiters.empty() ||
+        !s.backlog.empty())
         throw_system_error(EBUSY, "cm_id::migrate (the id has a qp, a waiter or a backlog)");
     if (s.error != 0) throw_system_error(s.error, "cm_id::migrate");
     // Leave the old channel first: once rdma_migrate_id returns, target's thread may dispatch
@@ -549,13 +697,25 @@ void cm_id::begin(detail::cm_id_state& s, step k, const sockaddr_storage* addr,
     case step::connect: {
         if (s.id->qp == nullptr) throw_system_error(EINVAL, "rdma_connect (the id has no qp)");
         rdma_conn_param p = conn_param(data, conn, "rdma_connect");
+        if (s.id->verbs != nullptr && s.id->verbs->device->transport_type == IBV_TRANSPORT_IWARP) {
+            if (s.connecting && s.connecting->running())
+                throw_system_error(EBUSY, "rdma_connect (a connect of this id is still running)");
+            if (s.connecting) s.connecting->abandon();
+            s.connecting = detail::blocking_connect::start(s, p);
+            break;
+        }
         cm_check(rdma_connect(s.id, &p), "rdma_connect");
         break;
     }
     case step::accept_connection: {
         if (s.id->qp == nullptr) throw_system_error(EINVAL, "rdma_accept (the id has no qp)");
         rdma_conn_param p = conn_param(data, conn, "rdma_accept");
-        accept_with_own_rnr_retry(s.id, p, conn);
+        if (s.id->verbs->device->transport_type == IBV_TRANSPORT_IWARP) {
+            // No RNR on iWARP, and the iWARP CM moves the QP to RTS itself.
+            cm_check(rdma_accept(s.id, &p), "rdma_accept");
+        } else {
+            accept_with_own_rnr_retry(s.id, p, conn);
+        }
         s.unanswered = false;
         break;
     }
@@ -584,6 +744,18 @@ std::vector<std::byte> cm_id::outcome(step k, int wait_error,
     case RDMA_CM_EVENT_REJECTED:
         // On rdma_connect: the listener refused our request. On rdma_accept: the connecting
         // peer refused our accept (it rejected the REP, or gave up and its IB CM said so).
+        if (r.nothing_listens)
+            throw connection_rejected(r.status,
+                                      "nothing listens at that address and port: the TCP "
+                                      "connection was refused",
+                                      {}, name, false, true);
+        if (r.status < 0) {
+            // iWARP: the provider's negative errno (siw: -ECONNRESET for an MPA reject; other
+            // providers -ECONNREFUSED), the private data as the peer's rdma_reject gave it.
+            throw connection_rejected(r.status,
+                                      "rejected by the peer application: an iWARP MPA reject",
+                                      std::move(r.private_data), name, true, false);
+        }
         throw connection_rejected(r.status, reject_reason_text(r.status), std::move(r.private_data),
                                   name);
     case RDMA_CM_EVENT_DISCONNECTED:
@@ -599,6 +771,16 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
     errno = 0;
     s.disconnect_sent = true;
     detail::mark_connection_closed(s.id);
+    if (s.connecting && s.connecting->running()) {
+        // iWARP's rdma_connect still runs on its thread (a step that timed out): the kernel
+        // holds the id and the QP for it, so rdma_disconnect (or moving the QP to error)
+        // would block this loop until TCP gives up. Nothing is connected: the id is
+        // disconnected now. Requests posted on its QP stay posted until the call returns.
+        s.disconnected = true;
+        while (detail::waiter* w = s.disconnect_waiters.pop_front())
+            w->fulfil(0);
+        return;
+    }
     if (rdma_disconnect(s.id) != 0) {
         const int err = errno != 0 ? errno : EIO;
         // EINVAL on an id that never sent a connect (no IB CM id): nothing to wait for.
@@ -632,9 +814,14 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
     cm_check(rdma_create_qp(state_->id, pd.native(), &init),
              "rdma_create_qp (the PD must come from the id's device())");
     // The deleter keeps the id (rdma_destroy_qp before rdma_destroy_id), the PD and the CQs.
-    std::shared_ptr<ibv_qp> owned(state_->id->qp,
-                                  [s = state_, pd_keep = pd.handle(), scq = send_cq.handle(),
-                                   rcq = recv_cq.handle()](ibv_qp*) { rdma_destroy_qp(s->id); });
+    std::shared_ptr<ibv_qp> owned(state_->id->qp, [s = state_, pd_keep = pd.handle(),
+                                                   scq = send_cq.handle(),
+                                                   rcq = recv_cq.handle()](ibv_qp*) {
+        // iWARP's rdma_connect still running holds the QP: its
+        // thread destroys it when the call returns.
+        if (s->connecting && s->connecting->take_qp({pd_keep, scq, rcq})) return;
+        rdma_destroy_qp(s->id);
+    });
     return verbs::queue_pair(std::move(owned),
                              verbs::qp_caps{init.cap.max_send_wr, init.cap.max_recv_wr,
                                             init.cap.max_send_sge, init.cap.max_recv_sge,
@@ -645,8 +832,11 @@ qp cm_id::make_qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
                   const verbs::qp_caps& caps, qp_options options) {
     ibv_srq* shared =
         options.shared_receive_queue ? options.shared_receive_queue->native() : nullptr;
-    return qp(create_qp(pd, send_cq.native_cq(), recv_cq.native_cq(), caps, shared), send_cq,
-              recv_cq, options);
+    qp made(create_qp(pd, send_cq.native_cq(), recv_cq.native_cq(), caps, shared), send_cq, recv_cq,
+            options);
+    if (state_->id->verbs->device->transport_type == IBV_TRANSPORT_IWARP)
+        detail::with_object(state_->id->qp, [](detail::qp_state& q) { q.iwarp_connection = true; });
+    return made;
 }
 
 } // namespace ringverbs

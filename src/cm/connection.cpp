@@ -423,6 +423,8 @@ struct listener::state {
     std::vector<std::byte> private_data;
     std::shared_ptr<cm_channel> events;
     std::optional<cm_id> id; // reset by ~listener: no more requests
+    // Any address: the IPv4 listening id beside `id` (IPv6 only), on the same port.
+    std::optional<cm_id> id4;
     std::uint16_t port = 0;
     std::deque<outcome> ready;    // for accept(), in the order the handshakes ended
     detail::waiter_queue waiters; // accept()s waiting for `ready`
@@ -472,7 +474,8 @@ class listener_ready : detail::waiter {
 // answered (a clearer message than the kernel's EINVAL, and never taken for the peer's fault).
 void check_accept_options(const listener::state& s, const verbs::context& device) {
     const bool iwarp = device.native()->device->transport_type == IBV_TRANSPORT_IWARP;
-    const std::size_t room = iwarp ? 512 : 196; // MPA's limit; IB CM's REP
+    // iWARP: rdma_conn_param's 8-bit length (MPA itself allows 512); IB CM's REP: 196.
+    const std::size_t room = iwarp ? 255 : 196;
     if (s.private_data.size() > room)
         throw_system_error(EINVAL, "rdma_accept (connection_options::private_data is " +
                                        std::to_string(s.private_data.size()) +
@@ -597,47 +600,60 @@ listener::listener(io_context& io, std::string_view address, connection_options 
     s.id.emplace(*s.events);
     std::string host, port;
     detail::split_host_port(address, host, port, "ringverbs::listener");
-    auto bind_and_listen = [&](const std::string& on, bool dual_stack) {
+    auto bind_and_listen = [&](cm_id& id, const std::string& on, const std::string& at,
+                               int afonly) {
         rdma_addrinfo* found = nullptr;
-        if (const int code = lookup_now(on, port, true, true, &found); code != 0)
-            throw_lookup(code, on, port);
+        if (const int code = lookup_now(on, at, true, true, &found); code != 0)
+            throw_lookup(code, on, at);
         const addrinfo_ptr keep(found, rdma_freeaddrinfo);
         if (found->ai_src_addr == nullptr)
             throw_system_error(EINVAL, "rdma_getaddrinfo (no address to listen on in \"" +
                                            std::string(address) + "\")");
-        if (dual_stack) {
-            // Whatever net.ipv6.bindv6only says: IPv4 requests too.
-            int zero = 0;
+        if (afonly >= 0) {
+            // Whatever net.ipv6.bindv6only says.
             errno = 0;
-            if (rdma_set_option(s.id->native(), RDMA_OPTION_ID, RDMA_OPTION_ID_AFONLY, &zero,
-                                sizeof zero) != 0)
+            if (rdma_set_option(id.native(), RDMA_OPTION_ID, RDMA_OPTION_ID_AFONLY, &afonly,
+                                sizeof afonly) != 0)
                 throw_system_error(errno != 0 ? errno : EIO,
                                    "rdma_set_option(RDMA_OPTION_ID_AFONLY)");
         }
-        s.id->listen(found->ai_src_addr, backlog);
+        id.listen(found->ai_src_addr, backlog);
     };
     if (!host.empty()) {
-        bind_and_listen(host, false);
+        bind_and_listen(*s.id, host, port, -1);
     } else {
-        // Any address: IPv6's, taking IPv4 requests too; IPv4's where the kernel has no IPv6.
+        // Any address: an IPv6-only id on "::" and an IPv4 one on "0.0.0.0", same port; IPv4's
+        // alone where the kernel has no IPv6. Not one dual-stack id: on iWARP (siw) an IPv4
+        // request to a "::" listener arrives with IPv4-mapped addresses no device has, and is
+        // refused (MPA reject, -ECONNRESET); IB/RoCE take it either way.
+        bool v6 = true;
         try {
-            bind_and_listen("::", true);
+            bind_and_listen(*s.id, "::", port, 1);
         } catch (const std::system_error& e) {
             if (e.code().value() != EAFNOSUPPORT && e.code().value() != EADDRNOTAVAIL) throw;
+            v6 = false;
             s.id.emplace(*s.events);
-            bind_and_listen("0.0.0.0", false);
+            bind_and_listen(*s.id, "0.0.0.0", port, -1);
+        }
+        if (v6) {
+            s.id4.emplace(*s.events);
+            bind_and_listen(*s.id4, "0.0.0.0", std::to_string(s.id->local_port()), -1);
         }
     }
     s.port = s.id->local_port();
-    s.id->on_request([weak = std::weak_ptr<state>(state_)](cm_id request, int error) {
-        if (auto locked = weak.lock()) take_request(locked, std::move(request), error);
-    });
+    for (std::optional<cm_id>* id : {&s.id, &s.id4}) {
+        if (!*id) continue;
+        (*id)->on_request([weak = std::weak_ptr<state>(state_)](cm_id request, int error) {
+            if (auto locked = weak.lock()) take_request(locked, std::move(request), error);
+        });
+    }
 }
 
 listener::~listener() {
     state& s = *state_;
     s.gone = true;
-    s.id.reset();          // no more requests (its handler goes with it)
+    s.id.reset(); // no more requests (its handler goes with it)
+    s.id4.reset();
     s.stop.request_stop(); // the handshakes under way end
     s.wake_all(ECANCELED);
     s.ready.clear(); // connections nobody took: disconnected

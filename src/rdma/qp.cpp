@@ -456,7 +456,7 @@ void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
         self->failed_ = true;
         self->first_error_ = wc;
-        self->closed_ = wc.status == IBV_WC_WR_FLUSH_ERR && self->qp_->connection_closed;
+        self->closed_ = self->qp_->flushed_by_closed_connection(wc);
     }
     if (!last) return;
     self->result_ = wc;

@@ -70,7 +70,7 @@ void recv_ring_state::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     s->posted = false;
     s->done = true;
     s->wc = wc;
-    s->closed = wc.status == IBV_WC_WR_FLUSH_ERR && r->qp->connection_closed;
+    s->closed = wc.status != IBV_WC_SUCCESS && r->qp->flushed_by_closed_connection(wc);
     s->violation = false;
     s->length = 0;
     if (wc.status == IBV_WC_SUCCESS) {

@@ -40,19 +40,29 @@ namespace ringverbs {
 // rejected the REP, or it gave up on the connection and its IB CM sent a reject, reason 4).
 class connection_rejected : public std::system_error {
   public:
+    // An IB CM reject: by_peer_application() and nothing_listens() follow from the reason.
     connection_rejected(int reason, std::string reason_text, std::vector<std::byte> data,
                         const char* call = "rdma_connect");
-    // The transport's reason code (IB CM on RoCE: 28 = the peer called rdma_reject, 8 = no
-    // listener on that port).
+    // Any transport, saying who refused.
+    connection_rejected(int reason, std::string reason_text, std::vector<std::byte> data,
+                        const char* call, bool by_peer_application, bool nothing_listens);
+    // The transport's reason code. IB CM on IB/RoCE: 28 = the peer called rdma_reject, 8 = no
+    // listener on that port. iWARP: the negative errno the provider reported (siw: -104
+    // ECONNRESET for an MPA reject; -111 ECONNREFUSED when nothing listens).
     int reason() const noexcept { return reason_; }
     // True when the peer's application rejected (rdma_reject), not its CM.
-    bool by_peer_application() const noexcept { return reason_ == detail::ib_cm_consumer_reject; }
+    bool by_peer_application() const noexcept { return by_application_; }
+    // True when nothing listens at that address and port (IB CM: invalid service id; iWARP:
+    // the TCP connection was refused).
+    bool nothing_listens() const noexcept { return nothing_listens_; }
     // The private data the peer attached to its reject. IB CM pads it to a fixed size with
-    // zeros (148 bytes on RoCE): compare the prefix you sent.
+    // zeros (148 bytes on RoCE): compare the prefix you sent. iWARP carries it in MPA, as sent.
     std::span<const std::byte> private_data() const noexcept { return data_; }
 
   private:
     int reason_;
+    bool by_application_;
+    bool nothing_listens_;
     std::vector<std::byte> data_;
 };
 

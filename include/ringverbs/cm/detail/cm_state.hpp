@@ -29,6 +29,8 @@ struct cm_channel_state;
 
 // IB CM reject reason 28, "consumer reject" (IBTA 12.6.7.2): the peer application's rdma_reject.
 inline constexpr int ib_cm_consumer_reject = 28;
+// IB CM reject reason 8, "invalid service id": nothing listens on that port.
+inline constexpr int ib_cm_invalid_service_id = 8;
 
 // What a waiter needs of one rdma_cm event, copied out so that the event is acked at once
 // (rdma_destroy_id blocks until every event of its id has been acked).
@@ -38,9 +40,13 @@ struct cm_event_data {
     // REJECTED the transport's reject reason (IB CM: 28 is a consumer's rdma_reject).
     int status = 0;
     std::vector<std::byte> private_data;
+    // iWARP: rdma_connect itself failed with ECONNREFUSED (type REJECTED): the TCP connection
+    // was refused, nothing listens at that address and port.
+    bool nothing_listens = false;
 };
 
 struct cm_id_state;
+struct blocking_connect;
 
 // The waiter of a step (resolve, connect, accept_connection): the channel hands it the step's
 // outcome with fulfil(0), so that the awaiter never reads the id after resuming (a coroutine
@@ -111,7 +117,10 @@ struct cm_id_state {
     // channel that failed already: no event of it would be read).
     int error = 0;
     bool closed = false; // the user's handle is gone
-    bool listed = true;  // in channel->ids (not while migrating to another channel)
+    // iWARP: the rdma_connect running on a thread of its own (see cm_id.cpp), until the state
+    // goes; while it runs, nothing here may call into librdmacm for this id.
+    std::shared_ptr<blocking_connect> connecting;
+    bool listed = true; // in channel->ids (not while migrating to another channel)
 
     // Takes ownership of `raw` (rdma_destroy_id when the last share goes), sets its context
     // and joins the channel's ids. Throws std::bad_alloc, leaving `raw` to the caller.

@@ -213,6 +213,23 @@ struct qp_state {
     // The connection of this QP's cm_id ended (DISCONNECTED, or our rdma_disconnect): its
     // flushes from now on end their awaits with connection_reset.
     bool connection_closed = false;
+    // An iWARP QP of a cm_id (cm_id::make_qp): its error state and the end of its connection
+    // are one (the TCP stream ends with it), and it fails before rdma_cm reports
+    // DISCONNECTED, so its flushes are polled before connection_closed could be set.
+    bool iwarp_connection = false;
+    bool request_failed = false; // a request of this QP completed with a non-flush error
+
+    // Whether the failed completion `wc` was flushed because the QP's connection ended
+    // (connection_reset): after DISCONNECTED or our rdma_disconnect; on an iWARP connection
+    // also when the QP failed by itself: not moved to error by us, no request failing first.
+    bool flushed_by_closed_connection(const ibv_wc& wc) noexcept {
+        if (wc.status != IBV_WC_WR_FLUSH_ERR) {
+            if (wc.status != IBV_WC_SUCCESS) request_failed = true;
+            return false;
+        }
+        if (iwarp_connection && !in_error && !request_failed) connection_closed = true;
+        return connection_closed;
+    }
     // An async error event named this QP (device_events): QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
     bool async_failed = false;
     ibv_event_type async_error{};
