@@ -478,7 +478,10 @@ TEST_CASE("an unsignaled write is in place once a later signaled send has comple
     CHECK(lp.a.pending() == 0);
 }
 
-TEST_CASE("destroying a qp with many unsignaled sends outstanding does not hang") {
+// detachable_pair keeps a's sends outstanding by RNR retries; on iWARP the first send that finds
+// no receive ends the connection instead (seen on siw: an await ended "never flushed").
+TEST_CASE("destroying a qp with many unsignaled sends outstanding does not hang" *
+          doctest::test_suite(ringverbs::test::ib_roce_only)) {
     device dev;
     io_context io;
     detachable_pair p(dev, io);
