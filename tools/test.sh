@@ -152,7 +152,7 @@ fi
 # The soak of the rdma suite (tests/rdma/soak_test.cpp) summarises its run here.
 show_faults() {
     if [ -f build/bench-results/faults.json ]; then
-        echo "faults.json (build/bench-results/faults.json, kernel $1):"
+        echo "faults.json (build/bench-results/faults.json, run $1):"
         cat build/bench-results/faults.json
         cp build/bench-results/faults.json "build/bench-results/faults-$1.json"
     fi
@@ -166,9 +166,7 @@ show_faults 6.12
 # Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1. Cases
 # that need InfiniBand/RoCE or what siw lacks are listed as skipped there, with the reason.
 run_suite rdma-gcc-siw build runtime vm-siw
-echo "!!! rdma_soak on siw: SKIPPED (not in suite 'runtime' yet: 2 of 1,000,005 requests end as"
-echo "    'other error' with 2 completions held by the fault hooks; 0 lost, 0 duplicated; issue 24)"
-echo "skipped rdma_soak-siw" >> "$logs/skipped-suites"
+show_faults siw
 # Two guests joined by a virtual link (tools/softroce-vm -n 2): echo across hosts, faults on
 # the link (tests/cluster).
 run_suite cluster-gcc build cluster cluster

@@ -234,6 +234,18 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
 }
 
 void qp_state::reset(bool never_flushed) noexcept {
+    // To the error state first, unless we moved it there already: a device may ignore RESET
+    // and keep what is posted (Linux 6.1's siw leaves a QP in RTS, ERROR, CLOSING or TERMINATE
+    // as it is, and returns 0), to complete it later naming an awaiter that ends below, or
+    // even to write a receive's buffer. In the error state every device flushes what it
+    // holds; siw does so inside the call, and what it holds in that state it never processes.
+    if (!in_error) {
+        try {
+            move_to(IBV_QPS_ERR);
+        } catch (const std::exception& e) {
+            diagnose("%s", e.what());
+        }
+    }
     try {
         move_to(IBV_QPS_RESET); // from here on the device produces no completion for this QP
     } catch (const std::exception& e) {

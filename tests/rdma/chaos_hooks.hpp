@@ -58,6 +58,13 @@ class chaos_hooks {
             n += s.size();
         return n;
     }
+    // The same, themselves (for the log: whose they are).
+    static std::vector<ibv_wc> held_completions() {
+        std::vector<ibv_wc> all;
+        for (auto& [cq, s] : stash())
+            all.insert(all.end(), s.begin(), s.end());
+        return all;
+    }
     chaos_hooks(const chaos_hooks&) = delete;
     chaos_hooks& operator=(const chaos_hooks&) = delete;
 

@@ -295,6 +295,47 @@ TEST_CASE("a receive chain that fails part-way: only what was posted is owed, no
     CHECK(io.operations_in_flight() == 1); // the channel's poll alone
 }
 
+TEST_CASE("a receive chain that fails part-way: what it posted completes before its await ends, "
+          "nothing after (siw ignores RESET)") {
+    watchdog wd(60s, "chain flushed before its await ends");
+    device dev;
+    io_context io;
+    pair p(dev, io, qp_options{.flush_timeout = 30s});
+    region in(dev.pd, 3 * 64);
+    ibv_sge sge[3];
+    ibv_recv_wr wr[3]{};
+    for (int i = 0; i < 3; ++i) {
+        auto b = in.local(static_cast<std::size_t>(i) * 64, 64);
+        sge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+        wr[i].sg_list = &sge[i];
+        wr[i].num_sge = 1;
+        wr[i].next = i < 2 ? &wr[i + 1] : nullptr;
+    }
+    {
+        fail_recv_chain_at fail(2); // two receives posted, the third fails
+        auto t = [&]() -> task<void> {
+            try {
+                co_await p.b->post_recv(wr[0]);
+            } catch (const std::system_error& e) {
+                CHECK(errc_of(e) == std::errc::not_enough_memory);
+            }
+        };
+        io.run(t());
+    }
+    CHECK(p.b->pending() == 0);
+    // The two receives that were posted name the await that has ended (its frame is gone):
+    // whatever becomes of the QP now (disconnected, destroyed), no completion of theirs may
+    // come. siw took the QP's move to RESET and did nothing: they stayed posted, and its flush
+    // on the disconnect named the dead awaiter.
+    const std::uint64_t posted[] = {wr[0].wr_id, wr[1].wr_id};
+    drop_late_completions late(posted);
+    p.link.reset();
+    p.b.reset();
+    auto pause = [&]() -> task<void> { co_await sleep_for(io, 100ms); };
+    io.run(pause()); // the channel polls what the device delivers meanwhile
+    CHECK(late.count() == 0);
+}
+
 TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommit is allowed") {
     device dev;
     io_context io;

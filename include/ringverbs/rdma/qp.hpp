@@ -63,7 +63,8 @@ struct qp_options {
     // CQs are polled once more, and each remaining await resumes with
     // std::system_error(errc::io_error) "... never flushed by the device" (or with its own
     // timed_out / operation_canceled when that is what moved the QP to error). Their buffers
-    // are then free: no completion can come after RESET. Connect the QP again to reuse it.
+    // are then free: no completion can come after RESET (siw ignores RESET, but processes
+    // nothing in the error state). Connect the QP again to reuse it.
     std::chrono::milliseconds flush_timeout = std::chrono::seconds(5);
     // The QPs on one CQ may together have more requests outstanding than the CQ has entries
     // (send queue capacity on the send CQ, receive queue capacity on the receive CQ): a QP
@@ -222,9 +223,10 @@ class qp::request : detail::wr_op, detail::wait_core {
     request(const request&) = delete;
     request& operator=(const request&) = delete;
     // A request posted with post() must be awaited before the awaiter goes; if it is not,
-    // the destructor resets the QP without waiting (no completion can name the awaiter
-    // after that; the QP's other owed requests end with a made-up IBV_WC_WR_FLUSH_ERR) and
-    // says so on stderr. Connect the QP again to reuse it.
+    // the destructor moves the QP to the error state and resets it without waiting (no
+    // completion can name the awaiter after that; the QP's other owed requests end with their
+    // flush or a made-up IBV_WC_WR_FLUSH_ERR) and says so on stderr. Connect the QP again to
+    // reuse it.
     ~request();
 
     // Posts the request now instead of at co_await (pre-posting receives, pipelining):

@@ -295,11 +295,12 @@ struct qp_state {
     // Starts the flush timer when requests are owed and it is not running. Where no timer
     // can run (the io_context is being destroyed) ends them at once (reset()).
     void watch_flush() noexcept;
-    // Ends every request still owed, without waiting: moves the QP to RESET (after which
-    // the device produces no completion for it), polls its CQs (dispatching what the device
-    // had already delivered), then completes each remaining request with a made-up
-    // IBV_WC_WR_FLUSH_ERR; `never_flushed` marks those (vendor_err) as requests the device
-    // did not flush in time. Not from inside a CQ poll (drain_cq): it polls the CQs itself.
+    // Ends every request still owed, without waiting: moves the QP to the error state (unless
+    // in_error; a device that ignores RESET, siw, flushes what it holds there) and then to
+    // RESET (after which the device produces no completion for it), polls its CQs
+    // (dispatching what the device delivered), then completes each remaining request with a
+    // made-up IBV_WC_WR_FLUSH_ERR; `never_flushed` marks those (vendor_err) as requests the
+    // device did not flush in time. Not from inside a CQ poll (drain_cq): it polls the CQs.
     void reset(bool never_flushed) noexcept;
     // ~qp: frees the state now when nothing is owed and no flush timer is in flight, or keeps
     // it alive until then.
