@@ -78,18 +78,7 @@ TEST_CASE("a CQ overrun: IBV_EVENT_CQ_ERR is read, acked and routed: the cq's ne
     const int overrun = small.capacity() + 16;
     // Signaled RDMA writes posted through verbs while the loop does not run: nobody polls
     // `small`, so it overruns and the device raises IBV_EVENT_CQ_ERR on the async fd.
-    for (int i = 0; i < overrun; ++i) {
-        ibv_sge sge{reinterpret_cast<std::uintptr_t>(src.bytes.data()), 64, src.mr.native()->lkey};
-        ibv_send_wr wr{};
-        wr.wr_id = static_cast<std::uint64_t>(i);
-        wr.sg_list = &sge;
-        wr.num_sge = 1;
-        wr.opcode = IBV_WR_RDMA_WRITE;
-        wr.send_flags = IBV_SEND_SIGNALED;
-        wr.wr.rdma.remote_addr = dst.remote().addr;
-        wr.wr.rdma.rkey = dst.remote().rkey;
-        a.native_qp().post_send(wr);
-    }
+    post_writes(a, src, dst, overrun);
     pollfd p{d.ctx.native()->async_fd, POLLIN, 0};
     REQUIRE(::poll(&p, 1, 20000) == 1); // bounded: fails instead of hanging
 
