@@ -292,6 +292,8 @@ task<void> run_connection(client& cl, int number) {
     std::byte* const out = buffers.data();
     std::byte* const in = buffers.data() + std::size_t{window} * size;
     ibv_sge sge{};
+    std::string post_error; // why the last post failed (posted through verbs, which throw)
+    const std::string gone = "the RDMA device is gone (removed, or failed for good)";
     auto post_receive = [&](std::uint64_t slot) {
         sge = {reinterpret_cast<std::uintptr_t>(in + slot * size), size, mr->native()->lkey};
         ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
@@ -362,6 +364,9 @@ task<void> run_connection(client& cl, int number) {
         } catch (const std::system_error& e) {
             interrupted = true; // a co_await may not be in a handler
             timed_out = e.code() == std::errc::timed_out;
+            // The device went away: that is why the connection ends, whatever was seen first
+            // (a post to its QP refused, completions flushed).
+            if (e.code() == std::errc::no_such_device) post_error = error = e.what();
         }
         if (interrupted && closing) break;
         if (timed_out) {
@@ -370,13 +375,14 @@ task<void> run_connection(client& cl, int number) {
             continue;
         }
         if (interrupted) {
-            co_await close("interrupted");
+            co_await close(post_error.empty() ? "interrupted" : post_error);
             continue;
         }
         --posted;
         const std::uint64_t slot = wc.wr_id & ~send_bit;
         if (wc.status != IBV_WC_SUCCESS) {
-            std::string why = id.is_disconnected()
+            std::string why = completions.device_lost() ? gone
+                              : id.is_disconnected()
                                   ? "the server closed the connection"
                                   : std::string(wc.wr_id & send_bit ? "send" : "receive") +
                                         " failed: " + ibv_wc_status_str(wc.status);
@@ -404,7 +410,15 @@ task<void> run_connection(client& cl, int number) {
             ++done[received % window];
             ++received;
             if (receives < cfg.count) {
-                post_receive(slot);
+                try {
+                    post_receive(slot);
+                } catch (const std::system_error& e) {
+                    post_error = e.what(); // a co_await may not be in a handler
+                }
+                if (!post_error.empty()) {
+                    co_await close(completions.device_lost() ? gone : post_error);
+                    continue;
+                }
                 ++receives;
                 ++posted;
             }
@@ -414,9 +428,16 @@ task<void> run_connection(client& cl, int number) {
         // Send the next message in every slot whose reply and send are both back.
         while (next < cfg.count && done[next % window] == 2) {
             done[next % window] = 0;
-            post_message(next++);
+            try {
+                post_message(next);
+            } catch (const std::system_error& e) {
+                post_error = e.what();
+                break;
+            }
+            ++next;
             ++posted;
         }
+        if (!post_error.empty()) co_await close(completions.device_lost() ? gone : post_error);
     }
     // Every request is back (flushed ones too, after a close): the buffers are ours again.
     if (!closing) co_await close("");

@@ -109,6 +109,7 @@ struct shared_receives {
     verbs::memory_region mr;
     std::map<std::uint32_t, connection*> by_qp; // the connections, by the QP number a receive names
     int sending = 0; // shared loops inside an echo send (the state outlives them)
+    bool device_gone = false; // said once: every shared loop ends when the device goes
     shared_receives(io_context& io, channel& ch, const verbs::protection_domain& pd, int cq_entries,
                     std::uint32_t depth, std::uint32_t max_size)
         : completions(ch, cq_options{.entries = cq_entries}),
@@ -509,7 +510,10 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         } catch (const completion_error& e) {
             failed = e;
         } catch (const std::system_error& e) {
-            std::fprintf(stderr, "echo_server: %s\n", e.what()); // ibv_post_srq_recv
+            const bool gone = e.code() == std::errc::no_such_device;
+            if (!gone || !shared.device_gone)
+                std::fprintf(stderr, "echo_server: %s\n", e.what()); // ibv_post_srq_recv
+            shared.device_gone = shared.device_gone || gone;
             co_return;
         }
         if (failed) {
@@ -733,7 +737,13 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
             request.emplace(co_await listener.accept(wait_options(server.stopping.get_token())));
         } catch (const std::system_error& e) {
             if (e.code() != std::errc::operation_canceled) {
-                std::fprintf(stderr, "echo_server: %s\n", e.what());
+                // The listener failed (ENODEV: its device went away): the server stops, and
+                // exits non-zero.
+                std::fprintf(stderr, "echo_server: %s%s\n", e.what(),
+                             e.code() == std::errc::no_such_device
+                                 ? " (the RDMA device went away)"
+                                 : "");
+                server.failed = true;
                 server.stopping.request_stop();
             }
             co_return;

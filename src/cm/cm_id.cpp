@@ -1,5 +1,6 @@
 #include <ringverbs/cm/cm_id.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/detail/device_loss.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
@@ -492,6 +493,10 @@ void cm_channel_state::dispatch(const rdma_cm_event& ev) noexcept {
         deliver_disconnected(*s, ev);
         break;
     case RDMA_CM_EVENT_DEVICE_REMOVAL:
+        // Every cq, qp, srq and device_events on the device ends its awaits too: the kernel
+        // waits for this process to close the device, and nothing else tells it.
+        detail::device_lost(ev.id->verbs, "RDMA_CM_EVENT_DEVICE_REMOVAL");
+        s->device_removed = true;
         s->fail_all(ENODEV);
         break;
     default: // TIMEWAIT_EXIT, ADDR_CHANGE, multicast: nothing waits for them
@@ -505,6 +510,18 @@ cm_id_state::cm_id_state(std::shared_ptr<cm_channel_state> ch, rdma_cm_id* raw)
     id->context = this;
 }
 
+namespace {
+
+// librdmacm keeps each device it opened (an ibv_context and a PD) until it reads its device
+// list again and finds the device missing; a device's removal waits for that context to close,
+// like every other. Reading the list now makes librdmacm forget a removed device: at once when
+// no id uses it any more, else when the last one goes.
+void forget_removed_devices() noexcept {
+    if (ibv_context** list = rdma_get_devices(nullptr)) rdma_free_devices(list);
+}
+
+} // namespace
+
 cm_id_state::~cm_id_state() {
     backlog.clear();
     if (unanswered) rdma_reject(id, nullptr, 0);
@@ -512,6 +529,7 @@ cm_id_state::~cm_id_state() {
         id->context = nullptr; // its late events find no state
     } else {
         rdma_destroy_id(id);
+        if (device_removed) forget_removed_devices();
     }
     if (listed) channel->unlist(this);
 }
@@ -798,6 +816,7 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
 
 void cm_id::close() noexcept {
     if (!state_ || state_->disconnect_sent || state_->disconnected || !state_->connected) return;
+    if (state_->device_removed) return; // no connection is left to end, no DREQ can be sent
     try {
         start_disconnect(*state_);
     } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 
+#include <ringverbs/rdma/detail/device_loss.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/rdma_state.hpp>
 #include <ringverbs/rdma/detail/srq_state.hpp>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -18,11 +20,52 @@ namespace ringverbs {
 namespace {
 
 // The contexts watched by a device_events: two readers of one async fd would steal each
-// other's events.
+// other's events. Numbered like the object registry's entries, so that a device loss told to
+// another thread finds the watcher it meant or none.
+struct watcher {
+    ibv_context* device;
+    void* state; // a device_events::state
+    io_context* ctx;
+    std::uint64_t generation;
+};
 std::mutex watched_lock;
-std::vector<ibv_context*> watched;
+std::vector<watcher> watched;
+std::uint64_t watch_generations = 0;
+
+bool is_watched(ibv_context* dev) {
+    return std::any_of(watched.begin(), watched.end(),
+                       [&](const watcher& w) { return w.device == dev; });
+}
+void unwatch(ibv_context* dev) {
+    std::erase_if(watched, [&](const watcher& w) { return w.device == dev; });
+}
 
 } // namespace
+
+namespace detail {
+
+std::size_t device_events_lost(ibv_context* device, const char* cause) noexcept {
+    std::lock_guard g(watched_lock);
+    std::size_t told = 0;
+    for (const watcher& w : watched) {
+        if (std::strcmp(w.device->device->name, device->device->name) != 0) continue;
+        try {
+            w.ctx->post([generation = w.generation, cause] {
+                std::lock_guard again(watched_lock);
+                for (const watcher& x : watched)
+                    if (x.generation == generation)
+                        static_cast<device_events::state*>(x.state)->lost(cause);
+            });
+            ++told;
+        } catch (...) {
+            diagnose("device_lost: a device_events was not told that its device is gone (out "
+                     "of memory)");
+        }
+    }
+    return told;
+}
+
+} // namespace detail
 
 device_events::device_events(io_context& ctx, const verbs::context& device)
     : state_(std::make_unique<state>()) {
@@ -31,10 +74,10 @@ device_events::device_events(io_context& ctx, const verbs::context& device)
     ibv_context* dev = device.native();
     {
         std::lock_guard g(watched_lock);
-        if (std::find(watched.begin(), watched.end(), dev) != watched.end())
+        if (is_watched(dev))
             throw_system_error(
                 EBUSY, "device_events (this ibv_context's async events are already watched)");
-        watched.push_back(dev);
+        watched.push_back({dev, state_.get(), &ctx, ++watch_generations});
     }
     try {
         const int fl = ::fcntl(dev->async_fd, F_GETFL);
@@ -50,7 +93,7 @@ device_events::device_events(io_context& ctx, const verbs::context& device)
             [](void* self, int err) noexcept { static_cast<state*>(self)->fail(err); });
     } catch (...) {
         std::lock_guard g(watched_lock);
-        std::erase(watched, dev);
+        unwatch(dev);
         throw;
     }
 }
@@ -61,7 +104,7 @@ device_events::~device_events() {
         w->fulfil(ECANCELED);
     if (state_->watch) state_->watch->release(); // orphaned: it keeps the context open
     std::lock_guard g(watched_lock);
-    std::erase(watched, state_->device.get());
+    unwatch(state_->device.get());
 }
 
 void device_events::state::fail(int err) noexcept {
@@ -69,6 +112,17 @@ void device_events::state::fail(int err) noexcept {
     detail::diagnose("async event fd: %s", std::system_category().message(err).c_str());
     while (detail::waiter* w = waiters.pop_front())
         w->fulfil(err);
+    // A device disassociated from its users (removed under a provider that supports it)
+    // fails their fds with EIO: the device is gone for every object on it.
+    if (err == EIO || err == ENODEV) detail::device_lost(device.get(), "the async event fd failed");
+}
+
+void device_events::state::lost(const char* cause) noexcept {
+    if (error != 0) return;
+    error = ENODEV;
+    lost_cause = cause;
+    while (detail::waiter* w = waiters.pop_front())
+        w->fulfil(ENODEV);
 }
 
 namespace {
@@ -131,6 +185,12 @@ void device_events::state::drain() noexcept {
         ibv_ack_async_event(&ev);
         if (e.routed) ++counters.routed;
         hand_to_next(e);
+        if (e.type == IBV_EVENT_DEVICE_FATAL) {
+            // Every object on the device is told, this watcher too (after this event: it
+            // stays queued for next()); nothing more will be read.
+            detail::device_lost(device.get(), "IBV_EVENT_DEVICE_FATAL");
+            return;
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 #include <ringverbs/rdma/detail/object_registry.hpp>
 
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -65,6 +66,23 @@ void lock_registry() noexcept {
 }
 void unlock_registry() noexcept {
     the_registry().lock.unlock();
+}
+namespace {
+bool on_device(const ibv_context* c, const char* name) noexcept {
+    return std::strcmp(c->device->name, name) == 0;
+}
+} // namespace
+
+void objects_on(const char* device_name, device_objects& out) {
+    registry& r = the_registry();
+    // Registered objects are alive (unregistered before they are destroyed): their context
+    // can be read.
+    for (auto& [qp, e] : r.qps)
+        if (on_device(qp->context, device_name)) out.qps.push_back({qp, e.state, e.generation});
+    for (auto& [srq, e] : r.srqs)
+        if (on_device(srq->context, device_name)) out.srqs.push_back({srq, e.state, e.generation});
+    for (auto& [cq, e] : r.cqs)
+        if (on_device(cq->context, device_name)) out.cqs.push_back({cq, e.state, e.generation});
 }
 srq_state* find_object(ibv_srq* srq, std::uint64_t& generation) noexcept {
     return lookup(the_registry().srqs, srq, generation);

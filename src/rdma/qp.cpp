@@ -87,7 +87,7 @@ qp_state::~qp_state() {
     while (waiter* w = close_waiters.pop_front())
         w->fulfil(ECANCELED);
     // release() keeps the state until nothing is owed; this is a last resort.
-    if (pending_count > 0) reset(false);
+    if (pending_count > 0) reset(0);
     send_cq->committed -= committed_send;
     recv_cq->committed -= committed_recv;
     std::erase(send_cq->qps, this);
@@ -190,7 +190,7 @@ void qp_state::watch_flush() noexcept {
     if (pending_count == 0 || flush_timer_armed) return;
     if (ctx->shutting_down()) {
         // ~io_context: no flush will be serviced any more (the channels' polls are cancelled).
-        reset(false);
+        reset(0);
         return;
     }
     try {
@@ -201,7 +201,7 @@ void qp_state::watch_flush() noexcept {
     } catch (const std::exception& e) {
         diagnose("qp %u: no flush timer (%s): its %zu owed requests end now", qp.qp_num(), e.what(),
                  pending_count);
-        reset(false);
+        reset(0);
         return;
     }
     flush_timer_armed = true;
@@ -220,9 +220,9 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
                      static_cast<long long>(
                          std::chrono::duration_cast<std::chrono::milliseconds>(self->flush_timeout)
                              .count()));
-            self->reset(true);
+            self->reset(never_flushed_vendor_err);
         } else if (self->ctx->shutting_down()) {
-            self->reset(false);
+            self->reset(0);
         } else if (self->in_error) {
             self->watch_flush(); // cancelled when nothing was owed; owed again since
         }
@@ -233,7 +233,7 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
     }
 }
 
-void qp_state::reset(bool never_flushed) noexcept {
+void qp_state::reset(std::uint32_t made_up) noexcept {
     // To the error state first, unless we moved it there already: a device may ignore RESET
     // and keep what is posted (Linux 6.1's siw leaves a QP in RTS, ERROR, CLOSING or TERMINATE
     // as it is, and returns 0), to complete it later naming an awaiter that ends below, or
@@ -259,7 +259,7 @@ void qp_state::reset(bool never_flushed) noexcept {
         ibv_wc wc{};
         wc.status = IBV_WC_WR_FLUSH_ERR;
         wc.qp_num = qp.qp_num();
-        wc.vendor_err = never_flushed ? never_flushed_vendor_err : 0;
+        wc.vendor_err = made_up;
         wr_op* op = pending;
         op->on_wc(op, wc, true);
     }
@@ -278,9 +278,19 @@ void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
 } // namespace detail
 
 using detail::hooks;
+using detail::device_lost_vendor_err;
 using detail::never_flushed_vendor_err;
 using detail::qp_state;
 using detail::wr_id_for;
+
+namespace {
+
+// Why a post to a qp of a device that went away is refused.
+std::string gone_note(const qp_state& q) {
+    return std::string("the RDMA device is gone (") + q.lost + "): nothing can be posted any more";
+}
+
+} // namespace
 
 qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
                      wait_options options) noexcept
@@ -332,8 +342,10 @@ void qp::request::post() {
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
         throw_system_error(EINVAL, std::string(name_) +
                                        ": the qp receives from an srq: post the receive there");
-    if (qp_->in_error) [[unlikely]]
+    if (qp_->in_error) [[unlikely]] {
+        if (qp_->lost) throw_system_error(ENODEV, std::string(name_) + ": " + gone_note(*qp_));
         qp_->posting_while_in_error();
+    }
     if (!signaled_ && post_unsignaled()) return;
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
@@ -451,7 +463,7 @@ void qp::request::abandon() noexcept {
         posted_ = true;
         qp_->link(this);
     }
-    qp_->reset(false);
+    qp_->reset(0);
 }
 
 void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
@@ -468,6 +480,9 @@ void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
         self->failed_ = true;
         self->first_error_ = wc;
+        // Flushed because its device went away (device_lost reset the QP): reads as that.
+        if (wc.status == IBV_WC_WR_FLUSH_ERR && self->qp_->lost)
+            self->first_error_.vendor_err = device_lost_vendor_err;
         self->closed_ = self->qp_->flushed_by_closed_connection(wc);
     }
     if (!last) return;
@@ -491,6 +506,11 @@ ibv_wc qp::request::await_resume() {
     if (!failed_) return result_; // its real outcome came first
     const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
                                first_error_.vendor_err == never_flushed_vendor_err;
+    if (first_error_.status == IBV_WC_WR_FLUSH_ERR &&
+        first_error_.vendor_err == device_lost_vendor_err && interrupted == 0 && !stop_won())
+        throw_system_error(ENODEV, std::string(name_) +
+                                       ": the RDMA device is gone (removed, or failed for good): "
+                                       "the request never completed; its buffer is free again");
     const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
     if (stop_won() || interrupted == ECANCELED)
         throw_system_error(ECANCELED, std::string(name_) + note);
@@ -549,6 +569,7 @@ qp& qp::operator=(qp&& other) noexcept {
 }
 
 void qp::to_error() {
+    if (state_->lost) return; // reset when its device went away: nothing is left to flush
     state_->move_to(IBV_QPS_ERR);
     state_->in_error = true;
     state_->watch_flush();

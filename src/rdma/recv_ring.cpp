@@ -14,8 +14,13 @@ namespace detail {
 
 void recv_ring_state::post(std::uint32_t i) {
     slot& s = slots[i];
-    if (qp->in_error) [[unlikely]]
+    if (qp->in_error) [[unlikely]] {
+        if (qp->lost)
+            throw_system_error(ENODEV, std::string("ibv_post_recv (recv_ring): the RDMA device is "
+                                                   "gone (") +
+                                           qp->lost + ")");
         qp->posting_while_in_error();
+    }
     ibv_recv_wr* bad = nullptr;
     s.wr.next = nullptr;
     if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0)
@@ -70,6 +75,8 @@ void recv_ring_state::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     s->posted = false;
     s->done = true;
     s->wc = wc;
+    // Flushed because its device went away (device_lost reset the QP): reads as that.
+    if (wc.status == IBV_WC_WR_FLUSH_ERR && r->qp->lost) s->wc.vendor_err = device_lost_vendor_err;
     s->closed = wc.status != IBV_WC_SUCCESS && r->qp->flushed_by_closed_connection(wc);
     s->violation = false;
     s->length = 0;
@@ -186,6 +193,9 @@ recv_ring::message recv_ring::next_awaitable::await_resume() {
                                        std::to_string(slot_size) +
                                        " bytes): the QP was moved to the error state");
     if (wc.status != IBV_WC_SUCCESS) {
+        if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == detail::device_lost_vendor_err)
+            throw_system_error(ENODEV, "recv_ring::next: the RDMA device is gone (removed, or "
+                                       "failed for good)");
         if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == detail::never_flushed_vendor_err)
             throw_system_error(EIO, "recv_ring::next: never flushed by the device: the QP was "
                                     "in the error state for qp_options::flush_timeout and was "

@@ -157,6 +157,9 @@ void srq::post_recv(local_buffer into, std::uint64_t wr_id) {
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
+    if (state_->lost) [[unlikely]]
+        throw_system_error(ENODEV, std::string("ibv_post_srq_recv: the RDMA device is gone (") +
+                                       state_->lost + ")");
     ibv_recv_wr* bad = nullptr;
     if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv");
@@ -177,6 +180,9 @@ srq::request::request(detail::srq_state* state, local_buffer into) noexcept
 }
 
 void srq::request::await_suspend(std::coroutine_handle<> h) {
+    if (state_->lost) [[unlikely]]
+        throw_system_error(ENODEV, std::string("ibv_post_srq_recv: the RDMA device is gone (") +
+                                       state_->lost + ")");
     ibv_recv_wr* bad = nullptr;
     if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr_, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv"); // nothing posted
@@ -195,6 +201,9 @@ void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
 
 ibv_wc srq::request::await_resume() {
     finish_wait();
+    if (result_.status == IBV_WC_WR_FLUSH_ERR && result_.vendor_err == detail::device_lost_vendor_err)
+        throw_system_error(ENODEV, "ibv_post_srq_recv: the RDMA device is gone (removed, or failed "
+                                   "for good): the receive never completed");
     if (result_.status != IBV_WC_SUCCESS) throw completion_error(result_, "ibv_post_srq_recv");
     return result_;
 }

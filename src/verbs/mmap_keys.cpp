@@ -1,6 +1,7 @@
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/verbs/detail/mmap_keys.hpp>
 
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -53,6 +54,21 @@ void forget_context(ibv_context* ctx) noexcept {
     if (it == records().end()) return;
     if (it->second.guard) ibv_destroy_cq(it->second.guard);
     records().erase(it);
+}
+
+void forget_device(const char* device_name) noexcept {
+    std::lock_guard g(records_lock);
+    for (auto it = records().begin(); it != records().end();) {
+        // The context is alive: its owner closes it only after the guard goes (ours), or
+        // closes it without telling us (librdmacm's) only once no object of ours is on it,
+        // which a device loss is the first step to.
+        if (std::strcmp(it->first->device->name, device_name) != 0) {
+            ++it;
+            continue;
+        }
+        if (it->second.guard) ibv_destroy_cq(it->second.guard);
+        it = records().erase(it);
+    }
 }
 
 std::string create_failure_note(ibv_context* ctx, int saved_errno) {

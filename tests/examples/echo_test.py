@@ -619,7 +619,64 @@ def case_setup_failure_threads():
     check(held.wait(60) == 1 and "the server closed the connection" in text_of(held), f"held client:\n{text_of(held)}")
 
 
+GONE_DEVICE, GONE_NETDEV, GONE_ADDR = "rvgone1", "rvgone_e", "198.18.78.1"
+
+
+def remove_scratch_device():
+    subprocess.run(f"rdma link delete {GONE_DEVICE}; ip link del {GONE_NETDEV}", shell=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+
+
+def case_device_removed():
+    """The device goes away under live traffic (`rdma link delete`, as a hot-unplug would): the
+    client's connections end at once with ENODEV ("the RDMA device is gone"), not by its reply
+    timeout; the server logs the loss and exits non-zero; the kernel completes the removal once
+    both let go. A device of its own (the test device's kind) on a dummy netdev of its own."""
+    kind = "siw" if os.environ.get("RINGVERBS_TRANSPORT") == "iwarp" else "rxe"
+    remove_scratch_device()
+    subprocess.run(f"ip link add {GONE_NETDEV} type dummy && ip addr add {GONE_ADDR}/24 dev {GONE_NETDEV} && "
+                   f"ip link set {GONE_NETDEV} up && rdma link add {GONE_DEVICE} type {kind} netdev {GONE_NETDEV}",
+                   shell=True, check=True)
+    try:
+        state = f"/sys/class/infiniband/{GONE_DEVICE}/ports/1/state"
+        wait_until(lambda: "ACTIVE" in open(state).read(), 10, f"{GONE_DEVICE} ACTIVE")
+        s = Server(19021, *os.environ.get("ECHO_SERVER_ARGS", "").split(), "--device", GONE_DEVICE,
+                   address=GONE_ADDR)
+        log = os.path.join(TMP, "client.removed.log")
+        # --reply-timeout 120: only the device's loss can end these connections in time.
+        c = subprocess.Popen([CLIENT, "--address", GONE_ADDR, "--port", str(s.port), "--device", GONE_DEVICE, "--clients", "4",
+                              "--inflight", "2", "--count", "100000000", "--reply-timeout", "120"],
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        c.log = log
+        wait_until(lambda: s.rdma_objects("qp") == 4, 30,
+                   lambda: f"4 connections open ({s.rdma_objects('qp')} QPs); client:\n{text_of(c)}")
+        time.sleep(1)
+        t0 = time.monotonic()
+        remover = subprocess.Popen(["rdma", "link", "delete", GONE_DEVICE])
+        rc = c.wait(60)
+        client_s = time.monotonic() - t0
+        out = text_of(c)
+        print(out, end="")
+        src = s.proc.wait(60)
+        server_s = time.monotonic() - t0
+        text = s.text()
+        print(text, end="")
+        print(f"echo_test: client ended {client_s:.1f} s, server {server_s:.1f} s after the removal began")
+        check(rc == 1, f"client exit status {rc}")
+        check(out.count("the RDMA device is gone") >= 4, "each of the 4 connections ended by the device's loss")
+        check(client_s < 30, f"the client's connections ended promptly ({client_s:.1f} s)")
+        check(src == 1, f"server exit status {src} (non-zero: it lost its device)")
+        check("the RDMA device went away" in text, "the server logs the device's loss")
+        check(remover.wait(60) == 0, "rdma link delete completed once both processes let the device go")
+        check(not os.path.exists(f"/sys/class/infiniband/{GONE_DEVICE}"), f"{GONE_DEVICE} gone")
+    finally:
+        remove_scratch_device()
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+# Only in a guest of tools/softroce-vm: it adds and removes a device and a netdev, as root.
+if os.environ.get("RINGVERBS_IN_VM") != "1":
+    CASES.pop("device_removed")
 
 
 def main():

@@ -56,7 +56,9 @@ class cq {
     // completion is returned as it is (check wc.status): next() does not know who posted it.
     // Errors: std::system_error "cq::next" with timed_out, operation_canceled (stop_token, or
     // the cq was destroyed), the errno of a failed channel, or EOVERFLOW ("cq::next:
-    // IBV_EVENT_CQ_ERR") once the CQ overran (reported by device_events). A stop requested
+    // IBV_EVENT_CQ_ERR") once the CQ overran (reported by device_events), or ENODEV ("the RDMA
+    // device is gone") once its device went away (see device_events, "A device that goes
+    // away"); both after the completions polled before are taken. A stop requested
     // before the co_await ends it at once (operation_canceled) even with completions ready:
     // they stay buffered, in order, as recv_ring::next does.
     next_awaitable next(wait_options options = {}) noexcept;
@@ -65,6 +67,12 @@ class cq {
     // first one like next() (and ending like it, a stop requested first included). Returns how
     // many were written to `out`.
     batch_awaitable next_batch(std::span<ibv_wc> out, wait_options options = {}) noexcept;
+
+    // The cq's device went away (removed, or failed for good; see device_events): from now on
+    // the cq gives only what was polled before (flushes of its QPs among them), then next()
+    // ends with ENODEV. For a consumer that posts through verbs and sees a flush or a refused
+    // post, this says why.
+    bool device_lost() const noexcept { return state_->lost != nullptr; }
 
     const cq_counters& counters() const noexcept { return state_->counters; }
     int comp_vector() const noexcept { return state_->cq.comp_vector(); }
@@ -115,10 +123,7 @@ class cq {
             // outcome is in this object, and *state_ is not touched any more, because the cq
             // may have been destroyed by a coroutine that resumed before this one.
             if (decided()) {
-                const int err = error();
-                if (err == EOVERFLOW)
-                    throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
-                if (err != 0) throw_system_error(err, "cq::next");
+                if (const int err = error(); err != 0) fail_with(err);
                 return taken;
             }
             // Ready at once (await_ready), without suspending: *state_ is alive.
@@ -126,14 +131,19 @@ class cq {
                 throw_system_error(ECANCELED, "cq::next (stop requested; completions ready stay "
                                               "buffered)");
             if (taken == 0) {
-                const int err = state_->closed       ? ECANCELED
-                                : state_->error != 0 ? state_->error
-                                                     : state_->channel->error;
-                if (err == EOVERFLOW)
-                    throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
-                throw_system_error(err, "cq::next");
+                fail_with(state_->closed       ? ECANCELED
+                          : state_->error != 0 ? state_->error
+                                               : state_->channel->error);
             }
             return taken;
+        }
+        [[noreturn]] static void fail_with(int err) {
+            if (err == EOVERFLOW)
+                throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
+            if (err == ENODEV)
+                throw_system_error(err, "cq::next: the RDMA device is gone (removed, or failed "
+                                        "for good)");
+            throw_system_error(err, "cq::next");
         }
 
       private:

@@ -9,6 +9,7 @@
 #include <ringverbs/engine/detail/waiter.hpp>
 #include <ringverbs/engine/error.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/rdma/detail/device_loss.hpp>
 #include <ringverbs/verbs/context.hpp>
 
 #include <infiniband/verbs.h>
@@ -85,6 +86,9 @@ class device_events {
     std::size_t queued() const noexcept { return state_->queue.size(); }
 
   private:
+    // Tells this watcher that its device is gone (see detail::device_lost).
+    friend std::size_t detail::device_events_lost(ibv_context* device, const char* cause) noexcept;
+
     struct state {
         io_context* ctx = nullptr;
         std::shared_ptr<ibv_context> device;
@@ -93,9 +97,11 @@ class device_events {
         detail::waiter_queue waiters;
         device_events_counters counters;
         int error = 0;
+        const char* lost_cause = nullptr; // error is ENODEV: the device went away (why)
         bool closed = false;
 
         void drain() noexcept;
+        void lost(const char* cause) noexcept;
         void hand_to_next(const async_event& e) noexcept;
         void route(async_event& e) noexcept;
         template <typename Object, typename State, typename Apply>
@@ -127,11 +133,13 @@ class device_events::next_awaitable : detail::waiter {
     }
     async_event await_resume() {
         const int err = decided() ? error() : 0;
-        if (!has)
-            throw_system_error(err != 0         ? err
-                               : state_->closed ? ECANCELED
-                                                : state_->error,
-                               "device_events::next");
+        if (!has) {
+            const int e = err != 0 ? err : state_->closed ? ECANCELED : state_->error;
+            if (e == ENODEV)
+                throw_system_error(e, "device_events::next: the RDMA device is gone (removed, or "
+                                      "failed for good)");
+            throw_system_error(e, "device_events::next");
+        }
         return event;
     }
 

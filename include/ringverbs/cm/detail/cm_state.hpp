@@ -112,6 +112,9 @@ struct cm_id_state {
     bool connected = false;
     // An incoming request not yet answered: it is rejected if the id goes unanswered.
     bool unanswered = false;
+    // RDMA_CM_EVENT_DEVICE_REMOVAL came: once the id is destroyed, librdmacm is made to forget
+    // the device (forget_removed_devices in cm_id.cpp), so that the removal can complete.
+    bool device_removed = false;
     std::vector<std::byte> request_data; // private data of the connection request
     // ENODEV after DEVICE_REMOVAL, or the channel's error (from the start for an id made on a
     // channel that failed already: no event of it would be read).

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace ringverbs::detail {
 
@@ -34,6 +35,23 @@ void unlock_registry() noexcept;
 cq_state* find_object(ibv_cq* cq, std::uint64_t& generation) noexcept;
 qp_state* find_object(ibv_qp* qp, std::uint64_t& generation) noexcept;
 srq_state* find_object(ibv_srq* srq, std::uint64_t& generation) noexcept;
+
+// The registered objects made on one device, with their registration numbers.
+template <typename Object, typename State>
+struct registered {
+    Object* object;
+    State* state;
+    std::uint64_t generation;
+};
+struct device_objects {
+    std::vector<registered<ibv_qp, qp_state>> qps;
+    std::vector<registered<ibv_srq, srq_state>> srqs;
+    std::vector<registered<ibv_cq, cq_state>> cqs;
+};
+// Fills `out` with the objects made on the device called `device_name`, through any
+// ibv_context of it (librdmacm's, or one opened by name). Only with the registry locked (the
+// states stay alive until it is unlocked). Throws std::bad_alloc.
+void objects_on(const char* device_name, device_objects& out);
 
 // Calls fn(state) (or fn(state, generation)) under the registry's lock when `object` (an
 // ibv_cq*, ibv_qp* or ibv_srq*) is ours and lives, and returns true; the state cannot be

@@ -144,6 +144,8 @@ struct cq_state {
     bool in_fired = false; // listed in channel->fired (an event this turn)
     bool closed = false;   // the user's cq handle is gone: next() consumers are no more
     int error = 0;         // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
+    // What said that the device went away (detail::device_lost), or null: error is ENODEV.
+    const char* lost = nullptr;
     cq_counters counters;
     waiter_queue waiters; // of completion_waiter
     // A next_batch() waiter fulfilled during the current poll with room left: the poll's
@@ -218,6 +220,10 @@ struct qp_state {
     // DISCONNECTED, so its flushes are polled before connection_closed could be set.
     bool iwarp_connection = false;
     bool request_failed = false; // a request of this QP completed with a non-flush error
+    // What said that the device went away (detail::device_lost), or null. Once set, what was
+    // owed ended (made up, device_lost_vendor_err) and every post is refused with ENODEV
+    // (in_error stays set, so posts take the path that checks this).
+    const char* lost = nullptr;
 
     // Whether the failed completion `wc` was flushed because the QP's connection ended
     // (connection_reset): after DISCONNECTED or our rdma_disconnect; on an iWARP connection
@@ -299,9 +305,10 @@ struct qp_state {
     // in_error; a device that ignores RESET, siw, flushes what it holds there) and then to
     // RESET (after which the device produces no completion for it), polls its CQs
     // (dispatching what the device delivered), then completes each remaining request with a
-    // made-up IBV_WC_WR_FLUSH_ERR; `never_flushed` marks those (vendor_err) as requests the
-    // device did not flush in time. Not from inside a CQ poll (drain_cq): it polls the CQs.
-    void reset(bool never_flushed) noexcept;
+    // made-up IBV_WC_WR_FLUSH_ERR whose vendor_err is `made_up`: 0, never_flushed_vendor_err
+    // (the device did not flush them in time) or device_lost_vendor_err. Not from inside a CQ
+    // poll (drain_cq): it polls the CQs.
+    void reset(std::uint32_t made_up) noexcept;
     // ~qp: frees the state now when nothing is owed and no flush timer is in flight, or keeps
     // it alive until then.
     static void release(std::shared_ptr<qp_state> self) noexcept;
@@ -311,5 +318,8 @@ struct qp_state {
 // vendor_err of the completions made up by qp_state::reset(true) for requests the device
 // never flushed (a device whose flushes get lost: Linux 6.1's rxe, a CQ overrun).
 inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
+// vendor_err of the completions made up for what was owed when the device went away
+// (detail::device_lost): their awaits end with ENODEV.
+inline constexpr std::uint32_t device_lost_vendor_err = 0x676f'6e65; // "gone"
 
 } // namespace ringverbs::detail

@@ -51,6 +51,9 @@ struct srq_state {
     std::uint32_t armed_limit = 0;
     std::uint64_t limit_events = 0;
     int error = 0; // EIO after IBV_EVENT_SRQ_ERR: receives can no longer be relied on
+    // What said that the device went away (detail::device_lost), or null: error is ENODEV,
+    // what was owed ended (made up, device_lost_vendor_err), posts are refused.
+    const char* lost = nullptr;
 
     srq_state(io_context& c, const verbs::protection_domain& pd, std::uint32_t max_wr,
               std::uint32_t max_sge);

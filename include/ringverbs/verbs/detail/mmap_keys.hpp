@@ -28,6 +28,12 @@ void prepare_for_queues(ibv_context* ctx) noexcept;
 // Before ibv_close_device(ctx): destroys its guard. Thread-safe.
 void forget_context(ibv_context* ctx) noexcept;
 
+// The device called `device_name` went away: the guard CQs of all its contexts are destroyed
+// and their records dropped. A guard's mapping would keep the context's file open after its
+// owner closed it (librdmacm closes its own contexts without telling us), and the removal
+// waits for that file.
+void forget_device(const char* device_name) noexcept;
+
 // What a failed create on `ctx` adds to its message (empty if nothing): errno 0 on siw is the
 // collision above.
 std::string create_failure_note(ibv_context* ctx, int saved_errno);
