@@ -375,7 +375,9 @@ task<void> run_connection(client& cl, int number) {
             continue;
         }
         if (interrupted) {
-            co_await close(post_error.empty() ? "interrupted" : post_error);
+            // Named first: GCC 12 mishandles a temporary of a ?: inside a co_await expression.
+            std::string why = post_error.empty() ? std::string("interrupted") : post_error;
+            co_await close(std::move(why));
             continue;
         }
         --posted;
@@ -416,7 +418,8 @@ task<void> run_connection(client& cl, int number) {
                     post_error = e.what(); // a co_await may not be in a handler
                 }
                 if (!post_error.empty()) {
-                    co_await close(completions.device_lost() ? gone : post_error);
+                    std::string why = completions.device_lost() ? gone : post_error;
+                    co_await close(std::move(why));
                     continue;
                 }
                 ++receives;
@@ -437,7 +440,10 @@ task<void> run_connection(client& cl, int number) {
             ++next;
             ++posted;
         }
-        if (!post_error.empty()) co_await close(completions.device_lost() ? gone : post_error);
+        if (!post_error.empty()) {
+            std::string why = completions.device_lost() ? gone : post_error;
+            co_await close(std::move(why));
+        }
     }
     // Every request is back (flushed ones too, after a close): the buffers are ours again.
     if (!closing) co_await close("");
