@@ -3,6 +3,7 @@
 #include <ringverbs/rdma/detail/device_loss.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/srq.hpp>
+#include <ringverbs/verbs/detail/mmap_keys.hpp>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -517,6 +518,7 @@ namespace {
 // like every other. Reading the list now makes librdmacm forget a removed device: at once when
 // no id uses it any more, else when the last one goes.
 void forget_removed_devices() noexcept {
+    verbs::detail::forget_missing_devices(); // first: librdmacm is about to close contexts
     if (ibv_context** list = rdma_get_devices(nullptr)) rdma_free_devices(list);
 }
 

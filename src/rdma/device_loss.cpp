@@ -87,18 +87,28 @@ std::size_t device_lost(ibv_context* device, const char* cause) noexcept {
         objects_on(device->device->name, on);
         // In this order on each io_context (post() keeps it): the QPs stop producing
         // completions before an srq makes up the ends of its receives.
+        // Each object is told once: rdma_cm reports DEVICE_REMOVAL on every id of the device,
+        // usually all in one turn, before any loss posted here has run (`lost` is set only
+        // there); re-posting for each would make N ids cost N times every object.
         for (auto& r : on.qps)
-            if (!r.state->lost)
-                told += tell<ibv_qp, qp_state>(*r.state->ctx, r.object, r.generation, cause,
-                                               lose_qp);
+            if (!r.state->loss_told && !r.state->lost &&
+                tell<ibv_qp, qp_state>(*r.state->ctx, r.object, r.generation, cause, lose_qp)) {
+                r.state->loss_told = true;
+                ++told;
+            }
         for (auto& r : on.srqs)
-            if (!r.state->lost)
-                told += tell<ibv_srq, srq_state>(*r.state->ctx, r.object, r.generation, cause,
-                                                 lose_srq);
+            if (!r.state->loss_told && !r.state->lost &&
+                tell<ibv_srq, srq_state>(*r.state->ctx, r.object, r.generation, cause, lose_srq)) {
+                r.state->loss_told = true;
+                ++told;
+            }
         for (auto& r : on.cqs)
-            if (!r.state->lost)
-                told += tell<ibv_cq, cq_state>(*r.state->channel->ctx, r.object, r.generation,
-                                               cause, lose_cq);
+            if (!r.state->loss_told && !r.state->lost &&
+                tell<ibv_cq, cq_state>(*r.state->channel->ctx, r.object, r.generation, cause,
+                                       lose_cq)) {
+                r.state->loss_told = true;
+                ++told;
+            }
     } catch (...) {
         diagnose("device_lost: out of memory: the device's objects were not told it is gone");
     }

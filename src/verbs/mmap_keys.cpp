@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 namespace ringverbs::verbs::detail {
@@ -17,6 +18,11 @@ constexpr int guard_entries = 32768;
 struct context_record {
     bool siw = false;
     ibv_cq* guard = nullptr;
+    // The device's name, copied while the context was alive: forget_device() must not read
+    // the context, which its owner may have closed without telling us (librdmacm closes its
+    // context of a removed device when it re-reads its device list, for whichever device
+    // asked it to).
+    std::string device;
 };
 
 std::mutex records_lock;
@@ -32,6 +38,7 @@ void prepare_for_queues(ibv_context* ctx) noexcept {
     try {
         auto [it, fresh] = records().try_emplace(ctx);
         if (!fresh) return;
+        it->second.device = ibv_get_device_name(ctx->device);
         ibv_device_attr attr{};
         if (ibv_query_device(ctx, &attr) != 0 || attr.vendor_id != siw_vendor_id) return;
         it->second.siw = true;
@@ -59,16 +66,34 @@ void forget_context(ibv_context* ctx) noexcept {
 void forget_device(const char* device_name) noexcept {
     std::lock_guard g(records_lock);
     for (auto it = records().begin(); it != records().end();) {
-        // The context is alive: its owner closes it only after the guard goes (ours), or
-        // closes it without telling us (librdmacm's) only once no object of ours is on it,
-        // which a device loss is the first step to.
-        if (std::strcmp(it->first->device->name, device_name) != 0) {
+        // By the name kept in the record, not it->first->device->name: the contexts of other
+        // devices may be closed already (see forget_missing_devices).
+        if (it->second.device != device_name) {
             ++it;
             continue;
         }
         if (it->second.guard) ibv_destroy_cq(it->second.guard);
         it = records().erase(it);
     }
+}
+
+void forget_missing_devices() noexcept {
+    int n = 0;
+    ibv_device** list = ibv_get_device_list(&n);
+    if (list == nullptr) return; // cannot tell which are gone: nothing is dropped
+    std::lock_guard g(records_lock);
+    for (auto it = records().begin(); it != records().end();) {
+        bool present = false;
+        for (int i = 0; i < n && !present; ++i)
+            present = it->second.device == ibv_get_device_name(list[i]);
+        if (present) {
+            ++it;
+            continue;
+        }
+        if (it->second.guard) ibv_destroy_cq(it->second.guard); // its context is still open
+        it = records().erase(it);
+    }
+    ibv_free_device_list(list);
 }
 
 std::string create_failure_note(ibv_context* ctx, int saved_errno) {

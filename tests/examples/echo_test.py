@@ -634,6 +634,7 @@ def case_device_removed():
     both let go. A device of its own (the test device's kind) on a dummy netdev of its own."""
     kind = "siw" if os.environ.get("RINGVERBS_TRANSPORT") == "iwarp" else "rxe"
     remove_scratch_device()
+    running = []  # what holds the device: killed on a failure, else the removal waits for it
     subprocess.run(f"ip link add {GONE_NETDEV} type dummy && ip addr add {GONE_ADDR}/24 dev {GONE_NETDEV} && "
                    f"ip link set {GONE_NETDEV} up && rdma link add {GONE_DEVICE} type {kind} netdev {GONE_NETDEV}",
                    shell=True, check=True)
@@ -642,17 +643,20 @@ def case_device_removed():
         wait_until(lambda: "ACTIVE" in open(state).read(), 10, f"{GONE_DEVICE} ACTIVE")
         s = Server(19021, *os.environ.get("ECHO_SERVER_ARGS", "").split(), "--device", GONE_DEVICE,
                    address=GONE_ADDR)
+        running.append(s.proc)
         log = os.path.join(TMP, "client.removed.log")
         # --reply-timeout 120: only the device's loss can end these connections in time.
         c = subprocess.Popen([CLIENT, "--address", GONE_ADDR, "--port", str(s.port), "--device", GONE_DEVICE, "--clients", "4",
                               "--inflight", "2", "--count", "100000000", "--reply-timeout", "120"],
                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        running.append(c)
         c.log = log
         wait_until(lambda: s.rdma_objects("qp") == 4, 30,
                    lambda: f"4 connections open ({s.rdma_objects('qp')} QPs); client:\n{text_of(c)}")
         time.sleep(1)
         t0 = time.monotonic()
         remover = subprocess.Popen(["rdma", "link", "delete", GONE_DEVICE])
+        running.append(remover)
         rc = c.wait(60)
         client_s = time.monotonic() - t0
         out = text_of(c)
@@ -670,6 +674,16 @@ def case_device_removed():
         check(remover.wait(60) == 0, "rdma link delete completed once both processes let the device go")
         check(not os.path.exists(f"/sys/class/infiniband/{GONE_DEVICE}"), f"{GONE_DEVICE} gone")
     finally:
+        # A failed case (a wait that timed out) leaves the client (--count 100000000) and the
+        # server running, holding the device: `rdma link delete` would wait for them beyond
+        # remove_scratch_device's timeout, and they would run on beside the next cases.
+        for p in running:
+            if p.poll() is None:
+                p.kill()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
         remove_scratch_device()
 
 

@@ -146,6 +146,9 @@ struct cq_state {
     int error = 0;         // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     // What said that the device went away (detail::device_lost), or null: error is ENODEV.
     const char* lost = nullptr;
+    // detail::device_lost posted this cq's loss to its thread already (read and written only
+    // under the registry's lock): one post per object, however many times the loss is told.
+    bool loss_told = false;
     cq_counters counters;
     waiter_queue waiters; // of completion_waiter
     // A next_batch() waiter fulfilled during the current poll with room left: the poll's
@@ -224,6 +227,8 @@ struct qp_state {
     // owed ended (made up, device_lost_vendor_err) and every post is refused with ENODEV
     // (in_error stays set, so posts take the path that checks this).
     const char* lost = nullptr;
+    // detail::device_lost posted this qp's loss to its thread already (registry's lock only).
+    bool loss_told = false;
 
     // Whether the failed completion `wc` was flushed because the QP's connection ended
     // (connection_reset): after DISCONNECTED or our rdma_disconnect; on an iWARP connection

@@ -54,6 +54,8 @@ struct srq_state {
     // What said that the device went away (detail::device_lost), or null: error is ENODEV,
     // what was owed ended (made up, device_lost_vendor_err), posts are refused.
     const char* lost = nullptr;
+    // detail::device_lost posted this srq's loss to its thread already (registry's lock only).
+    bool loss_told = false;
 
     srq_state(io_context& c, const verbs::protection_domain& pd, std::uint32_t max_wr,
               std::uint32_t max_sge);

@@ -34,6 +34,13 @@ void forget_context(ibv_context* ctx) noexcept;
 // waits for that file.
 void forget_device(const char* device_name) noexcept;
 
+// Before librdmacm re-reads its device list (which closes, without telling us, its context of
+// every device that went away and that no id uses, whether or not a DEVICE_REMOVAL told us):
+// the records of every device no longer listed are dropped, their guard CQs destroyed while
+// their contexts are still open. Else the record would name a freed context (and the guard's
+// mapping would keep that device's removal waiting).
+void forget_missing_devices() noexcept;
+
 // What a failed create on `ctx` adds to its message (empty if nothing): errno 0 on siw is the
 // collision above.
 std::string create_failure_note(ibv_context* ctx, int saved_errno);
