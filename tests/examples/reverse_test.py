@@ -28,6 +28,11 @@ def check(cond, what):
 
 
 def rts_qps():
+    """Connected QPs: in RTS (restrack). siw never reports a QP's state (it reads as RESET), so
+    on iWARP the connected rdma_cm ids are counted instead (state CONNECT: one per QP)."""
+    if os.environ.get("RINGVERBS_TRANSPORT") == "iwarp":
+        out = subprocess.run(["rdma", "res", "show", "cm_id"], capture_output=True, text=True).stdout
+        return sum(1 for line in out.splitlines() if "state CONNECT " in line and " lqpn " in line)
     out = subprocess.run(["rdma", "res", "show", "qp"], capture_output=True, text=True).stdout
     return sum(1 for line in out.splitlines() if "state RTS" in line)
 
