@@ -47,7 +47,12 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
                    std::chrono::nanoseconds timeout, bool overcommit)
     : send_cq(std::move(scq)), recv_cq(std::move(rcq)), srq(std::move(shared)), qp(std::move(q)),
       ctx(send_cq->channel->ctx), flush_timeout(timeout) {
-    if (srq) srq->attach(recv_cq); // first: it may throw
+    // An srq and its qps are served by one loop: a device's loss, an SRQ limit event and the
+    // srq's own bookkeeping act on both without a lock.
+    if (srq && srq->ctx != ctx)
+        throw_system_error(EINVAL, "qp: the srq (qp_options::shared_receive_queue) belongs to "
+                                   "another io_context than the qp's send CQ");
+    if (srq) srq->attach(recv_cq); // may throw
     sink.owner = this;
     sink.on_wc = &qp_state::sink_completed;
     flush_timer.owner = this;

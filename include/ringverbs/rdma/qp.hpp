@@ -72,7 +72,8 @@ struct qp_options {
     // By default making such a qp throws EINVAL naming both numbers; true allows it.
     bool allow_cq_overcommit = false;
     // Receives from this shared receive queue (srq.hpp) instead of its own receive queue: the
-    // qp's recv() and post_recv() then fail with EINVAL. The srq lives while the qp does.
+    // qp's recv() and post_recv() then fail with EINVAL. The srq lives while the qp does. It
+    // must belong to the io_context of the qp's send CQ (else EINVAL): one loop serves both.
     srq* shared_receive_queue = nullptr;
 };
 
