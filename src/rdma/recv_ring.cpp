@@ -14,8 +14,8 @@ namespace detail {
 
 void recv_ring_state::post(std::uint32_t i) {
     slot& s = slots[i];
-    if (qp->in_error) [[unlikely]]
-        qp->posting_while_in_error();
+    if (qp->in_error || qp->reset_by_us) [[unlikely]]
+        qp->posting_while_in_error("ibv_post_recv (recv_ring)");
     ibv_recv_wr* bad = nullptr;
     s.wr.next = nullptr;
     if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0)
