@@ -1,4 +1,5 @@
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/cm/detail/cm_hooks.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/rdma/detail/device_loss.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
@@ -244,7 +245,7 @@ struct blocking_connect {
         try {
             std::thread([job] {
                 errno = 0;
-                const int ret = rdma_connect(job->id, &job->param);
+                const int ret = rdma_cm_hooks().connect.load()(job->id, &job->param);
                 const int err = ret == 0 ? 0 : (errno != 0 ? errno : EIO);
                 bool destroy = false;
                 bool destroy_qp = false;
@@ -273,7 +274,8 @@ struct blocking_connect {
         return job;
     }
 
-    // rdma_connect is still running on its thread (loop side).
+    // rdma_connect has not been seen to return on its thread (loop side). The kernel may be
+    // done with it already: see cm_id::start_disconnect.
     bool running() noexcept {
         const std::lock_guard lock(m);
         return !done;
@@ -297,6 +299,12 @@ struct blocking_connect {
         return destroy_id;
     }
 };
+
+cm_hooks& rdma_cm_hooks() noexcept {
+    static cm_hooks table{
+        +[](rdma_cm_id* id, rdma_conn_param* param) noexcept { return rdma_connect(id, param); }};
+    return table;
+}
 
 cm_channel_state::cm_channel_state(io_context& c) : ctx(&c) {
     errno = 0;
@@ -791,11 +799,16 @@ void cm_id::start_disconnect(detail::cm_id_state& s) {
     errno = 0;
     s.disconnect_sent = true;
     detail::mark_connection_closed(s.id);
-    if (s.connecting && s.connecting->running()) {
+    if (s.connecting && s.connecting->running() && !s.connected) {
         // iWARP's rdma_connect still runs on its thread (a step that timed out): the kernel
         // holds the id and the QP for it, so rdma_disconnect (or moving the QP to error)
         // would block this loop until TCP gives up. Nothing is connected: the id is
         // disconnected now. Requests posted on its QP stay posted until the call returns.
+        // Not once ESTABLISHED came: the kernel reports it only after its rdma_connect
+        // returned (cma.c: rdma_connect holds the id's handler_mutex, which cma_iw_handler
+        // takes before reporting ESTABLISHED), although the thread may not have run since to
+        // say so (a loaded machine: seconds). Skipping the disconnect then left the
+        // connection up and the peer waiting for a DISCONNECTED that never came.
         s.disconnected = true;
         while (detail::waiter* w = s.disconnect_waiters.pop_front())
             w->fulfil(0);

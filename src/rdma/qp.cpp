@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 namespace ringverbs {
@@ -172,20 +173,30 @@ void qp_state::to_error() noexcept {
     watch_flush();
 }
 
-void qp_state::posting_while_in_error() noexcept {
+void qp_state::posting_while_in_error(const char* verb) {
     // The user may have reset and connected the QP again since (through native_qp(), which
     // we do not see): ask the device. Only on this path, never on a healthy QP's posts. RESET
     // does not count as out of error: a device that never reports the state says RESET (siw:
     // ibv_query_qp leaves qp_state 0), and a QP really in RESET takes no posts anyway.
+    std::optional<ibv_qp_state> now;
     try {
-        const ibv_qp_state now = qp.state();
-        if (now != IBV_QPS_ERR && now != IBV_QPS_RESET) {
-            in_error = false;
-            return;
-        }
+        now = qp.state();
     } catch (const std::exception&) {
         // Cannot tell: treat it as still in error, the bound only ends what is owed.
     }
+    if (now && *now != IBV_QPS_ERR && *now != IBV_QPS_RESET) {
+        in_error = false;
+        reset_by_us = false;
+        return;
+    }
+    // We reset it and it reads RESET: refused like rxe refuses a post in RESET (EINVAL). siw
+    // reads RESET too, but its QP is still in ERROR (it ignores RESET): there the post would
+    // be queued and never completed, nor flushed.
+    if (now == IBV_QPS_RESET && reset_by_us)
+        throw_system_error(EINVAL, std::string(verb) + ": qp " + std::to_string(qp.qp_num()) +
+                                       " was reset when the runtime ended what it owed (its "
+                                       "bounded flush, or a request abandoned) and is not "
+                                       "connected again");
     // Still in the error state: what is posted now completes only by a flush, which some
     // devices never deliver for requests posted in this state (Linux 6.1's rxe): bound it.
     posted_in_error = true;
@@ -257,6 +268,7 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
         diagnose("%s", e.what());
     }
     in_error = false; // RESET now; connecting it again is the user's
+    reset_by_us = true;
     // What the device delivered before the reset names live awaiters: dispatch it.
     send_cq->channel->drain_cq(*send_cq);
     if (recv_cq != send_cq) recv_cq->channel->drain_cq(*recv_cq);
@@ -347,9 +359,9 @@ void qp::request::post() {
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
         throw_system_error(EINVAL, std::string(name_) +
                                        ": the qp receives from an srq: post the receive there");
-    if (qp_->in_error) [[unlikely]] {
+    if (qp_->in_error || qp_->reset_by_us) [[unlikely]] {
         if (qp_->lost) throw_system_error(ENODEV, std::string(name_) + ": " + gone_note(*qp_));
-        qp_->posting_while_in_error();
+        qp_->posting_while_in_error(name_);
     }
     if (!signaled_ && post_unsignaled()) return;
     if (kind_ == kind::send) {

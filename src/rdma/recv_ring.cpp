@@ -14,12 +14,12 @@ namespace detail {
 
 void recv_ring_state::post(std::uint32_t i) {
     slot& s = slots[i];
-    if (qp->in_error) [[unlikely]] {
+    if (qp->in_error || qp->reset_by_us) [[unlikely]] {
         if (qp->lost)
             throw_system_error(ENODEV, std::string("ibv_post_recv (recv_ring): the RDMA device is "
                                                    "gone (") +
                                            qp->lost + ")");
-        qp->posting_while_in_error();
+        qp->posting_while_in_error("ibv_post_recv (recv_ring)");
     }
     ibv_recv_wr* bad = nullptr;
     s.wr.next = nullptr;

@@ -3,6 +3,7 @@
 #include "cm_fixture.hpp"
 
 #include <ringverbs/cm/connection.hpp>
+#include <ringverbs/cm/detail/cm_hooks.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
@@ -145,7 +146,7 @@ TEST_CASE("the peer goes: a posted receive ends with connection_reset, disconnec
         auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
         std::vector<std::byte> buf(64);
         verbs::memory_region mr(s.pd(), buf);
-        auto r = s.recv(local_buffer(mr, buf));
+        auto r = s.recv(local_buffer(mr, buf), wait_options(10s)); // a lost reset: timed_out
         r.post();
         co_await c.disconnect(wait_options(10s));
         bool reset = false;
@@ -159,6 +160,71 @@ TEST_CASE("the peer goes: a posted receive ends with connection_reset, disconnec
         co_await s.disconnected(wait_options(10s));
     };
     io.run(run());
+}
+
+namespace {
+
+// iWARP's rdma_connect runs on a thread of its own. This hook calls the real rdma_connect and
+// then holds that thread (at most 10 s) until the test lets it go: the thread the scheduler
+// runs late on a loaded machine, while the connection it made is already established.
+std::atomic<bool> late_connect_called{false};
+std::atomic<bool> late_connect_release{false};
+
+int late_connect(rdma_cm_id* id, rdma_conn_param* param) noexcept {
+    late_connect_called = true;
+    const int r = rdma_connect(id, param);
+    const int saved = errno;
+    for (int i = 0; i < 1000 && !late_connect_release; ++i)
+        std::this_thread::sleep_for(10ms);
+    errno = saved;
+    return r;
+}
+
+} // namespace
+
+TEST_CASE("iWARP: a disconnect right after connect() reaches the peer even while the thread of "
+          "its rdma_connect has not run since the call returned" *
+          doctest::test_suite(ringverbs::test::iwarp_only)) {
+    const std::string ip = test_addr();
+    auto& hook = detail::rdma_cm_hooks().connect;
+    const auto real = hook.load();
+    late_connect_called = false;
+    late_connect_release = false;
+    hook = &late_connect;
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    bool held = false;
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        held = late_connect_called && !late_connect_release;
+        std::vector<std::byte> buf(64);
+        verbs::memory_region mr(s.pd(), buf);
+        auto r = s.recv(local_buffer(mr, buf), wait_options(10s));
+        r.post();
+        co_await c.disconnect(wait_options(10s));
+        // Before: disconnect() took the connect for still running, marked the id
+        // disconnected and sent nothing; the peer's connection stayed up (timed_out here).
+        co_await s.disconnected(wait_options(10s));
+        CHECK(s.is_disconnected());
+        bool reset = false;
+        try {
+            co_await r;
+        } catch (const connection_reset&) {
+            reset = true;
+        }
+        CHECK(reset);
+    };
+    try {
+        io.run(run());
+    } catch (const std::exception& e) {
+        late_connect_release = true;
+        hook = real;
+        FAIL(std::string(e.what()));
+    }
+    late_connect_release = true;
+    hook = real;
+    CHECK(held); // the disconnect above ran while the connect's thread was held
 }
 
 TEST_CASE("connect where nothing listens: connection_rejected, within a moment") {

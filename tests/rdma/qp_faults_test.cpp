@@ -418,6 +418,45 @@ TEST_CASE("a request posted while its QP is still in the error state ends by the
     CHECK(p.b->pending() == 0);
 }
 
+TEST_CASE("a request posted after the bounded flush reset its QP ends at once, naming the verb "
+          "and the errno") {
+    watchdog wd(60s, "posted after the bounded flush");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 2 * 64), out(dev.pd, 64);
+    {
+        // Moved to error by its timeout, the flush hidden: the bound resets the QP.
+        hide_flushes hide(p.b->qp_num());
+        outcome first;
+        io.run(await_recv(*p.b, in.local(0, 64), wait_options(20ms), first));
+        REQUIRE(first.ended == 1);
+        REQUIRE(first.what.find("never flushed") != std::string::npos);
+    }
+    REQUIRE(p.b->pending() == 0);
+    // Posted afterwards (nothing hidden now). siw ignores RESET: its QP stays in ERROR, where
+    // a post goes into the queue and never completes; rxe refuses a post in RESET.
+    outcome late;
+    io.run(await_recv(*p.b, in.local(64, 64), wait_options(), late));
+    CHECK(late.ended == 1);
+    CHECK(late.code == std::errc::invalid_argument);
+    CHECK(late.what.find("ibv_post_recv") != std::string::npos);
+    CHECK(late.what.find("reset") != std::string::npos);
+    MESSAGE(late.what);
+    auto send = [&]() -> task<std::string> {
+        try {
+            co_await p.b->send(out.all());
+        } catch (const std::system_error& e) {
+            CHECK(errc_of(e) == std::errc::invalid_argument);
+            co_return e.what();
+        }
+        co_return "";
+    };
+    const std::string sent = io.run(send());
+    CHECK(sent.find("ibv_post_send") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+}
+
 TEST_CASE(
     "co_await close(): every owed request ends first, flushed or bounded; then nothing is left") {
     watchdog wd(60s, "close");

@@ -24,6 +24,9 @@ namespace ringverbs::test {
 // - InfiniBand/RoCE transport (RNR, manual QP state changes and reconnecting a QP, SEND and
 //   WRITE WITH IMMEDIATE, atomics, IB CM reject reasons): not on iWARP;
 inline constexpr const char* ib_roce_only = "ib_roce_only";
+// - iWARP transport (what the runtime does only there: rdma_connect on a thread of its own):
+//   not on InfiniBand/RoCE.
+inline constexpr const char* iwarp_only = "iwarp_only";
 // - an event for a solicited receive on a CQ armed solicited-only: not on siw, whose 6.1
 //   driver completes receives without the solicited flag (cq_options::solicited_only).
 inline constexpr const char* solicited_events = "solicited_events";

@@ -4,6 +4,7 @@
 // Cases that need InfiniBand/RoCE semantics (RNR, QP state changes by hand, IB CM reasons) are in
 // doctest's test suite "ib_roce_only" (TEST_SUITE("ib_roce_only") { ... }). On an iWARP device
 // they are filtered out: doctest counts them as skipped, and a line says why. Never passed.
+// Likewise the cases of "iwarp_only" on InfiniBand/RoCE.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -22,7 +23,10 @@ int main(int argc, char** argv) {
                      "lists them as skipped\n",
                      suite, why);
     };
-    if (dev.iwarp) not_applicable(ringverbs::test::ib_roce_only, "an iWARP device");
+    if (dev.iwarp)
+        not_applicable(ringverbs::test::ib_roce_only, "an iWARP device");
+    else
+        not_applicable(ringverbs::test::iwarp_only, "not an iWARP device");
     if (dev.siw) {
         not_applicable(ringverbs::test::solicited_events,
                        "siw raises no event for a solicited receive");

@@ -215,6 +215,10 @@ struct qp_state {
     // set until a post finds the QP out of that state (the user reset and connected it).
     bool in_error = false;
     bool posted_in_error = false; // the request being posted goes to a QP in the error state
+    // We reset the QP (reset(): the bounded flush, an abandoned post) and no post since found
+    // it connected again. siw ignores RESET and keeps the QP in ERROR, where a post is queued
+    // and never completes: such a post is refused (posting_while_in_error).
+    bool reset_by_us = false;
     // The connection of this QP's cm_id ended (DISCONNECTED, or our rdma_disconnect): its
     // flushes from now on end their awaits with connection_reset.
     bool connection_closed = false;
@@ -300,9 +304,12 @@ struct qp_state {
     // bounded flush. Never throws: a failure goes to the diagnostics sink, and the flush
     // timer then ends what is owed.
     void to_error() noexcept;
-    // A request is about to be posted while in_error: asks the device whether the QP is
-    // still in the error state (then the post is bounded like a flush) or was reset since.
-    void posting_while_in_error() noexcept;
+    // A request is about to be posted while in_error or reset_by_us: asks the device whether
+    // the QP is still in the error state (then the post is bounded like a flush) or was
+    // connected again since. Throws std::system_error (EINVAL, naming `verb` and the qp) when
+    // we reset it and it reads RESET: no device completes a post there (rxe refuses it with
+    // EINVAL itself; siw, whose QP is really still in ERROR, would queue it for ever).
+    void posting_while_in_error(const char* verb);
     // Starts the flush timer when requests are owed and it is not running. Where no timer
     // can run (the io_context is being destroyed) ends them at once (reset()).
     void watch_flush() noexcept;
