@@ -37,6 +37,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <stop_token>
 #include <vector>
 
 using namespace ringverbs;
@@ -349,102 +350,133 @@ task<void> run_connection(client& cl, int number) {
         } catch (const std::exception&) {
         }
     };
-    while (posted > 0) {
-        ibv_wc wc{};
-        // Once closing, only the flushes are awaited, and not forever (see echo_server.cpp).
-        // Before, nothing completing for --reply-timeout closes the connection: a peer cut off
-        // by a partition may never send the DREQ that would flush our receives.
-        const std::chrono::seconds quiet(cfg.reply_timeout);
-        const wait_options wait = closing             ? wait_options(5s)
-                                  : quiet.count() > 0 ? wait_options(quiet, cl.stopping.get_token())
-                                                      : wait_options(cl.stopping.get_token());
-        bool interrupted = false, timed_out = false;
+    // The completion wait ends on SIGINT, and on the server's disconnect. On iWARP a request
+    // posted after the TCP stream ended never completes: siw (Linux 6.1) fails the QP and
+    // flushes what is posted then (siw_qp_llp_close), but a receive posted later sits in the
+    // queue it shares with us, and a send's doorbell on a QP in ERROR flushes nothing
+    // (siw_post_send), so a client that did not run between its last completion and the close
+    // (stopped, or slow) waits for nothing. rdma_cm's DISCONNECTED does come: watched here.
+    std::stop_source wake;
+    std::stop_callback forward_stop(cl.stopping.get_token(),
+                                    [&wake]() noexcept { wake.request_stop(); });
+    std::stop_source exchanged; // the exchange below is over: ends the watch
+    auto watch_disconnect = [&]() -> task<void> {
+        bool gone = true;
         try {
-            wc = co_await completions.next(wait);
-        } catch (const std::system_error& e) {
-            interrupted = true; // a co_await may not be in a handler
-            timed_out = e.code() == std::errc::timed_out;
-            // The device went away: that is why the connection ends, whatever was seen first
-            // (a post to its QP refused, completions flushed).
-            if (e.code() == std::errc::no_such_device) post_error = error = e.what();
+            co_await id.disconnected(wait_options(exchanged.get_token()));
+        } catch (const std::system_error&) {
+            gone = false; // the exchange ended first (a co_await may not be in a handler)
         }
-        if (interrupted && closing) break;
-        if (timed_out) {
-            co_await close("no reply for " + std::to_string(quiet.count()) +
-                           " s (--reply-timeout)");
-            continue;
-        }
-        if (interrupted) {
-            // Named first: GCC 12 mishandles a temporary of a ?: inside a co_await expression.
-            std::string why = post_error.empty() ? std::string("interrupted") : post_error;
-            co_await close(std::move(why));
-            continue;
-        }
-        --posted;
-        const std::uint64_t slot = wc.wr_id & ~send_bit;
-        if (wc.status != IBV_WC_SUCCESS) {
-            std::string why = completions.device_lost() ? gone
-                              : id.is_disconnected()
-                                  ? "the server closed the connection"
-                                  : std::string(wc.wr_id & send_bit ? "send" : "receive") +
-                                        " failed: " + ibv_wc_status_str(wc.status);
-            if (server_max != 0 && size > server_max)
-                why += " (messages of " + std::to_string(size) + " bytes, the server takes " +
-                       std::to_string(server_max) + ")";
-            co_await close(why);
-            continue;
-        }
-        if (closing) continue;
-        if (wc.opcode == IBV_WC_RECV) {
-            const std::byte* got = in + slot * size;
-            bool same = wc.byte_len == size;
-            for (std::size_t i = 0; same && i < size; ++i)
-                same = got[i] == pattern(number, received, i);
-            if (!same) {
-                co_await close("reply " + std::to_string(received) +
-                               " differs from the message sent");
+        if (gone) wake.request_stop();
+    };
+    struct end_watch {
+        std::stop_source& exchanged;
+        ~end_watch() { exchanged.request_stop(); }
+    };
+    auto exchange = [&]() -> task<void> {
+        const end_watch ended{exchanged}; // also if the exchange throws: when_all ends
+        while (posted > 0) {
+            ibv_wc wc{};
+            // Once closing, only the flushes are awaited, and not forever (see echo_server.cpp).
+            // Before, nothing completing for --reply-timeout closes the connection: a peer cut off
+            // by a partition may never send the DREQ that would flush our receives.
+            const std::chrono::seconds quiet(cfg.reply_timeout);
+            const wait_options wait = closing             ? wait_options(5s)
+                                      : quiet.count() > 0 ? wait_options(quiet, wake.get_token())
+                                                          : wait_options(wake.get_token());
+            bool interrupted = false, timed_out = false;
+            try {
+                wc = co_await completions.next(wait);
+            } catch (const std::system_error& e) {
+                interrupted = true; // a co_await may not be in a handler
+                timed_out = e.code() == std::errc::timed_out;
+                // The device went away: that is why the connection ends, whatever was seen first
+                // (a post to its QP refused, completions flushed).
+                if (e.code() == std::errc::no_such_device) post_error = error = e.what();
+            }
+            if (interrupted && closing) break;
+            if (timed_out) {
+                co_await close("no reply for " + std::to_string(quiet.count()) +
+                               " s (--reply-timeout)");
                 continue;
             }
-            cl.latency.add(std::chrono::duration<double, std::micro>(clock_type::now() -
-                                                                     sent_at[received % window])
-                               .count());
-            ++cl.verified;
-            ++done[received % window];
-            ++received;
-            if (receives < cfg.count) {
-                try {
-                    post_receive(slot);
-                } catch (const std::system_error& e) {
-                    post_error = e.what(); // a co_await may not be in a handler
-                }
-                if (!post_error.empty()) {
-                    std::string why = completions.device_lost() ? gone : post_error;
-                    co_await close(std::move(why));
+            if (interrupted) {
+                // Named first: GCC 12 mishandles a temporary of a ?: inside a co_await expression.
+                std::string why = !post_error.empty()            ? post_error
+                                  : cl.stopping.stop_requested() ? std::string("interrupted")
+                                  : id.is_disconnected()
+                                      ? std::string("the server closed the connection")
+                                      : std::string("interrupted");
+                co_await close(std::move(why));
+                continue;
+            }
+            --posted;
+            const std::uint64_t slot = wc.wr_id & ~send_bit;
+            if (wc.status != IBV_WC_SUCCESS) {
+                std::string why = completions.device_lost() ? gone
+                                  : id.is_disconnected()
+                                      ? "the server closed the connection"
+                                      : std::string(wc.wr_id & send_bit ? "send" : "receive") +
+                                            " failed: " + ibv_wc_status_str(wc.status);
+                if (server_max != 0 && size > server_max)
+                    why += " (messages of " + std::to_string(size) + " bytes, the server takes " +
+                           std::to_string(server_max) + ")";
+                co_await close(why);
+                continue;
+            }
+            if (closing) continue;
+            if (wc.opcode == IBV_WC_RECV) {
+                const std::byte* got = in + slot * size;
+                bool same = wc.byte_len == size;
+                for (std::size_t i = 0; same && i < size; ++i)
+                    same = got[i] == pattern(number, received, i);
+                if (!same) {
+                    co_await close("reply " + std::to_string(received) +
+                                   " differs from the message sent");
                     continue;
                 }
-                ++receives;
+                cl.latency.add(std::chrono::duration<double, std::micro>(clock_type::now() -
+                                                                         sent_at[received % window])
+                                   .count());
+                ++cl.verified;
+                ++done[received % window];
+                ++received;
+                if (receives < cfg.count) {
+                    try {
+                        post_receive(slot);
+                    } catch (const std::system_error& e) {
+                        post_error = e.what(); // a co_await may not be in a handler
+                    }
+                    if (!post_error.empty()) {
+                        std::string why = completions.device_lost() ? gone : post_error;
+                        co_await close(std::move(why));
+                        continue;
+                    }
+                    ++receives;
+                    ++posted;
+                }
+            } else {
+                ++done[slot];
+            }
+            // Send the next message in every slot whose reply and send are both back.
+            while (next < cfg.count && done[next % window] == 2) {
+                done[next % window] = 0;
+                try {
+                    post_message(next);
+                } catch (const std::system_error& e) {
+                    post_error = e.what();
+                    break;
+                }
+                ++next;
                 ++posted;
             }
-        } else {
-            ++done[slot];
-        }
-        // Send the next message in every slot whose reply and send are both back.
-        while (next < cfg.count && done[next % window] == 2) {
-            done[next % window] = 0;
-            try {
-                post_message(next);
-            } catch (const std::system_error& e) {
-                post_error = e.what();
-                break;
+            if (!post_error.empty()) {
+                std::string why = completions.device_lost() ? gone : post_error;
+                co_await close(std::move(why));
             }
-            ++next;
-            ++posted;
         }
-        if (!post_error.empty()) {
-            std::string why = completions.device_lost() ? gone : post_error;
-            co_await close(std::move(why));
-        }
-    }
+    };
+    co_await when_all(exchange(), watch_disconnect());
     // Every request is back (flushed ones too, after a close): the buffers are ours again.
     if (!closing) co_await close("");
     if (!error.empty()) {
