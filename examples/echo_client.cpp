@@ -373,6 +373,12 @@ task<void> run_connection(client& cl, int number) {
         std::stop_source& exchanged;
         ~end_watch() { exchanged.request_stop(); }
     };
+    // Why the server may have closed: messages larger than it takes.
+    auto oversize_note = [&]() -> std::string {
+        if (server_max == 0 || size <= server_max) return {};
+        return " (messages of " + std::to_string(size) + " bytes, the server takes " +
+               std::to_string(server_max) + ")";
+    };
     auto exchange = [&]() -> task<void> {
         const end_watch ended{exchanged}; // also if the exchange throws: when_all ends
         while (posted > 0) {
@@ -407,6 +413,7 @@ task<void> run_connection(client& cl, int number) {
                                   : id.is_disconnected()
                                       ? std::string("the server closed the connection")
                                       : std::string("interrupted");
+                if (why == "the server closed the connection") why += oversize_note();
                 co_await close(std::move(why));
                 continue;
             }
@@ -418,9 +425,7 @@ task<void> run_connection(client& cl, int number) {
                                       ? "the server closed the connection"
                                       : std::string(wc.wr_id & send_bit ? "send" : "receive") +
                                             " failed: " + ibv_wc_status_str(wc.status);
-                if (server_max != 0 && size > server_max)
-                    why += " (messages of " + std::to_string(size) + " bytes, the server takes " +
-                           std::to_string(server_max) + ")";
+                why += oversize_note();
                 co_await close(why);
                 continue;
             }
