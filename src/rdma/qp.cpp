@@ -50,9 +50,9 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
       ctx(send_cq->channel->ctx), flush_timeout(timeout) {
     // An srq and its qps are served by one loop: a device's loss, an SRQ limit event and the
     // srq's own bookkeeping act on both without a lock.
-    if (srq && srq->ctx != ctx)
+    if (srq && (srq->ctx != ctx || srq->ctx != recv_cq->channel->ctx))
         throw_system_error(EINVAL, "qp: the srq (qp_options::shared_receive_queue) belongs to "
-                                   "another io_context than the qp's send CQ");
+                                   "another io_context than the qp's CQs");
     if (srq) srq->attach(recv_cq); // may throw
     sink.owner = this;
     sink.on_wc = &qp_state::sink_completed;

@@ -73,7 +73,8 @@ struct qp_options {
     bool allow_cq_overcommit = false;
     // Receives from this shared receive queue (srq.hpp) instead of its own receive queue: the
     // qp's recv() and post_recv() then fail with EINVAL. The srq lives while the qp does. It
-    // must belong to the io_context of the qp's send CQ (else EINVAL): one loop serves both.
+    // must belong to the io_context of the qp's send and receive CQs (else EINVAL): one loop
+    // serves them all (the srq's receives complete on the receive CQ).
     srq* shared_receive_queue = nullptr;
 };
 
