@@ -248,18 +248,21 @@ struct blocking_connect {
                 const int ret = rdma_cm_hooks().connect.load()(job->id, &job->param);
                 const int err = ret == 0 ? 0 : (errno != 0 ? errno : EIO);
                 bool destroy = false;
-                bool destroy_qp = false;
+                std::vector<std::shared_ptr<void>> released;
                 {
                     const std::lock_guard lock(job->m);
                     job->done = true;
                     job->error = err;
                     destroy = job->destroy_id;
-                    destroy_qp = job->destroy_qp;
+                    // Under the lock: the loop's abandon() / take_qp() see `done` only once
+                    // the QP is gone, so the loop never destroys the id (or the QP) while
+                    // this thread is still in rdma_destroy_qp.
+                    if (job->destroy_qp) {
+                        rdma_destroy_qp(job->id);
+                        released = std::move(job->keep);
+                    }
                 }
-                if (destroy_qp) {
-                    rdma_destroy_qp(job->id);
-                    job->keep.clear();
-                }
+                released.clear();
                 if (destroy) {
                     rdma_destroy_id(job->id);
                     return;
@@ -281,10 +284,12 @@ struct blocking_connect {
         return !done;
     }
 
-    // The id's qp goes (loop side): true when the thread now owns the QP (and `k`).
-    bool take_qp(std::vector<std::shared_ptr<void>> k) noexcept {
+    // The id's qp goes (loop side): true when the thread now owns the QP (and `k`). Not once
+    // the id is connected: the kernel's call has returned then (see start_disconnect), and the
+    // loop may disconnect the id, which touches the QP, at any time: the loop destroys it.
+    bool take_qp(std::vector<std::shared_ptr<void>> k, bool connected) noexcept {
         const std::lock_guard lock(m);
-        if (done) return false;
+        if (done || connected) return false;
         destroy_qp = true;
         keep = std::move(k);
         return true;
@@ -853,7 +858,7 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
                                                    rcq = recv_cq.handle()](ibv_qp*) {
         // iWARP's rdma_connect still running holds the QP: its
         // thread destroys it when the call returns.
-        if (s->connecting && s->connecting->take_qp({pd_keep, scq, rcq})) return;
+        if (s->connecting && s->connecting->take_qp({pd_keep, scq, rcq}, s->connected)) return;
         rdma_destroy_qp(s->id);
     });
     return verbs::queue_pair(std::move(owned),
