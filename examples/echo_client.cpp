@@ -420,8 +420,11 @@ task<void> run_connection(client& cl, int number) {
             --posted;
             const std::uint64_t slot = wc.wr_id & ~send_bit;
             if (wc.status != IBV_WC_SUCCESS) {
+                // A flush we did not cause (not closing yet, no request failed first): the QP
+                // failed, which on iWARP is the end of the TCP stream, seen before rdma_cm's
+                // DISCONNECTED. The server closed the connection.
                 std::string why = completions.device_lost() ? gone
-                                  : id.is_disconnected()
+                                  : id.is_disconnected() || wc.status == IBV_WC_WR_FLUSH_ERR
                                       ? "the server closed the connection"
                                       : std::string(wc.wr_id & send_bit ? "send" : "receive") +
                                             " failed: " + ibv_wc_status_str(wc.status);

@@ -108,7 +108,7 @@ struct shared_receives {
     std::vector<std::byte> pool;
     verbs::memory_region mr;
     std::map<std::uint32_t, connection*> by_qp; // the connections, by the QP number a receive names
-    int sending = 0; // shared loops inside an echo send (the state outlives them)
+    int sending = 0;          // shared loops inside an echo send (the state outlives them)
     bool device_gone = false; // said once: every shared loop ends when the device goes
     shared_receives(io_context& io, channel& ch, const verbs::protection_domain& pd, int cq_entries,
                     std::uint32_t depth, std::uint32_t max_size)
@@ -740,9 +740,8 @@ task<void> accept_loop(echo_server& server, cm_id& listener) {
                 // The listener failed (ENODEV: its device went away): the server stops, and
                 // exits non-zero.
                 std::fprintf(stderr, "echo_server: %s%s\n", e.what(),
-                             e.code() == std::errc::no_such_device
-                                 ? " (the RDMA device went away)"
-                                 : "");
+                             e.code() == std::errc::no_such_device ? " (the RDMA device went away)"
+                                                                   : "");
                 server.failed = true;
                 server.stopping.request_stop();
             }

@@ -294,8 +294,8 @@ void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
 
 } // namespace detail
 
-using detail::hooks;
 using detail::device_lost_vendor_err;
+using detail::hooks;
 using detail::never_flushed_vendor_err;
 using detail::qp_state;
 using detail::wr_id_for;

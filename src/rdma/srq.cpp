@@ -201,7 +201,8 @@ void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
 
 ibv_wc srq::request::await_resume() {
     finish_wait();
-    if (result_.status == IBV_WC_WR_FLUSH_ERR && result_.vendor_err == detail::device_lost_vendor_err)
+    if (result_.status == IBV_WC_WR_FLUSH_ERR &&
+        result_.vendor_err == detail::device_lost_vendor_err)
         throw_system_error(ENODEV, "ibv_post_srq_recv: the RDMA device is gone (removed, or failed "
                                    "for good): the receive never completed");
     if (result_.status != IBV_WC_SUCCESS) throw completion_error(result_, "ibv_post_srq_recv");

@@ -38,7 +38,7 @@ constexpr const char* gone_netdev = "rvgone";
 constexpr const char* gone_addr = "198.18.77.1";
 
 bool exists(const std::string& path) {
-    struct stat st{};
+    struct stat st {};
     return ::stat(path.c_str(), &st) == 0;
 }
 
@@ -82,8 +82,8 @@ struct scratch_device {
     }
     ~scratch_device() {
         // In the background: a removal waits for every user of the device to let it go.
-        std::system((std::string("(rdma link delete ") + gone_device + " 2>/dev/null; ip link del " +
-                     gone_netdev + " 2>/dev/null) &")
+        std::system((std::string("(rdma link delete ") + gone_device +
+                     " 2>/dev/null; ip link del " + gone_netdev + " 2>/dev/null) &")
                         .c_str());
     }
 };
