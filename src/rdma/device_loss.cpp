@@ -51,13 +51,7 @@ void lose_srq(srq_state& s, const char* cause) noexcept {
             if (q->srq.get() == &s && q->ctx == s.ctx) lose_qp(*q, cause);
         c->channel->drain_cq(*c);
     }
-    while (s.pending) {
-        ibv_wc wc{};
-        wc.status = IBV_WC_WR_FLUSH_ERR;
-        wc.vendor_err = device_lost_vendor_err;
-        wr_op* op = s.pending;
-        op->on_wc(op, wc, true);
-    }
+    s.end_owed(device_lost_vendor_err);
 }
 
 // Posts `lose` for one object to `owner`; it runs there only if the object is still the one

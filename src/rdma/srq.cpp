@@ -43,14 +43,19 @@ srq_state::~srq_state() {
     // name our receives.
     for (auto& c : recv_cqs)
         c->channel->drain_cq(*c);
+    end_owed(0);
+    while (waiter* w = low_water_waiters.pop_front())
+        w->fulfil(ECANCELED);
+}
+
+void srq_state::end_owed(std::uint32_t vendor_err) noexcept {
     while (pending) {
         ibv_wc wc{};
         wc.status = IBV_WC_WR_FLUSH_ERR;
+        wc.vendor_err = vendor_err;
         wr_op* op = pending;
         op->on_wc(op, wc, true);
     }
-    while (waiter* w = low_water_waiters.pop_front())
-        w->fulfil(ECANCELED);
 }
 
 void srq_state::link(wr_op* op) noexcept {

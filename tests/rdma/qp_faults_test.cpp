@@ -72,6 +72,25 @@ task<void> await_recv(qp& q, local_buffer buf, wait_options w, outcome& out) {
     ++out.ended;
 }
 
+// A chain of `n` receives of 64 bytes each into `in`, linked in order; built in place (the
+// work requests point at each other and at their sges).
+template <int n>
+struct recv_chain {
+    ibv_sge sge[n];
+    ibv_recv_wr wr[n]{};
+    explicit recv_chain(region& in) {
+        for (int i = 0; i < n; ++i) {
+            auto b = in.local(static_cast<std::size_t>(i) * 64, 64);
+            sge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = 1;
+            wr[i].next = i + 1 < n ? &wr[i + 1] : nullptr;
+        }
+    }
+    recv_chain(const recv_chain&) = delete;
+    recv_chain& operator=(const recv_chain&) = delete;
+};
+
 } // namespace
 
 TEST_CASE(
@@ -261,15 +280,8 @@ TEST_CASE("a receive chain that fails part-way: only what was posted is owed, no
     io_context io;
     pair p(dev, io, qp_options{.flush_timeout = 30s});
     region in(dev.pd, 4 * 64);
-    ibv_sge sge[4];
-    ibv_recv_wr wr[4]{};
-    for (int i = 0; i < 4; ++i) {
-        auto b = in.local(static_cast<std::size_t>(i) * 64, 64);
-        sge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
-        wr[i].sg_list = &sge[i];
-        wr[i].num_sge = 1;
-        wr[i].next = i < 3 ? &wr[i + 1] : nullptr;
-    }
+    recv_chain<4> chain(in);
+    ibv_recv_wr* const wr = chain.wr;
     std::string what;
     const auto polls_before = p.ch.counters().polls;
     {
@@ -302,15 +314,8 @@ TEST_CASE("a receive chain that fails part-way: what it posted completes before 
     io_context io;
     pair p(dev, io, qp_options{.flush_timeout = 30s});
     region in(dev.pd, 3 * 64);
-    ibv_sge sge[3];
-    ibv_recv_wr wr[3]{};
-    for (int i = 0; i < 3; ++i) {
-        auto b = in.local(static_cast<std::size_t>(i) * 64, 64);
-        sge[i] = {reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
-        wr[i].sg_list = &sge[i];
-        wr[i].num_sge = 1;
-        wr[i].next = i < 2 ? &wr[i + 1] : nullptr;
-    }
+    recv_chain<3> chain(in);
+    ibv_recv_wr* const wr = chain.wr;
     {
         fail_recv_chain_at fail(2); // two receives posted, the third fails
         auto t = [&]() -> task<void> {

@@ -63,6 +63,9 @@ struct srq_state {
     srq_state(const srq_state&) = delete;
     srq_state& operator=(const srq_state&) = delete;
 
+    // Ends every receive still owed with a made-up IBV_WC_WR_FLUSH_ERR carrying `vendor_err`
+    // (0, or device_lost_vendor_err). Only once nothing can complete them any more.
+    void end_owed(std::uint32_t vendor_err) noexcept;
     void link(wr_op* op) noexcept;
     void unlink(wr_op* op) noexcept;
     // The completion of a receive of this SRQ was polled: one fewer posted, which resumes the
