@@ -528,6 +528,13 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
     } catch (const std::exception& e) {
         --s->handshakes;
         if (s->gone) co_return; // the request goes with p (rejected if unanswered)
+        // rdma_create_qp refusing the request with EINVAL: the kernel's id has left the state
+        // that takes a QP (the peer gave up or went after sending it): the peer's failure, not
+        // the listener's (hostile 'vanish' killed reverse_server through accept()).
+        if (const auto* se = dynamic_cast<const std::system_error*>(&e);
+            ours && se != nullptr && se->code().value() == EINVAL &&
+            std::string_view(se->what()).starts_with("rdma_create_qp"))
+            ours = false;
         if (ours) {
             detail::diagnose("listener on port %u: the request from %s was rejected: %s",
                              static_cast<unsigned>(s->port), from.c_str(), e.what());
