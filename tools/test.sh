@@ -93,6 +93,7 @@ python3 - "$logs" <<'PY' || status=1
 import json, os, sys
 logs = sys.argv[1]
 counts = {"passed": 0, "failed": 0, "skipped": 0}
+failures = []
 for name in sorted(os.listdir(logs)):
     if not name.endswith(".json"):
         continue
@@ -103,12 +104,21 @@ for name in sorted(os.listdir(logs)):
             res = r.get("result")
             key = "passed" if res in ("OK", "EXPECTEDFAIL") else "skipped" if res == "SKIP" else "failed"
             per[key] += 1
+            if key == "failed":
+                failures.append((name[:-5], r.get("name", "?"), res, r.get("stdout") or ""))
     print(f"  {name[:-5]:<12} {per['passed']} passed, {per['failed']} failed, {per['skipped']} skipped")
     for k in counts:
         counts[k] += per[k]
 skipped_suites = os.path.join(logs, "skipped-suites")
 if os.path.exists(skipped_suites):
     print("  SKIPPED suites:", ", ".join(l.split()[1] for l in open(skipped_suites)))
+# The failures last, with the end of their output: a CI log is often read from its tail.
+for suite, test, res, out in failures:
+    print(f"\n--- FAILED {suite} / {test} ({res}); the last lines of its output:")
+    for l in out.rstrip().splitlines()[-25:]:
+        print("    " + l[:300])
+if failures:
+    print()
 print(f"tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
 sys.exit(1 if counts["failed"] else 0)
 PY

@@ -307,7 +307,10 @@ struct blocking_connect {
 
 cm_hooks& rdma_cm_hooks() noexcept {
     static cm_hooks table{
-        +[](rdma_cm_id* id, rdma_conn_param* param) noexcept { return rdma_connect(id, param); }};
+        +[](rdma_cm_id* id, rdma_conn_param* param) noexcept { return rdma_connect(id, param); },
+        +[](rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexcept {
+            return rdma_create_qp(id, pd, init);
+        }};
     return table;
 }
 
@@ -850,7 +853,7 @@ verbs::queue_pair cm_id::create_qp(const verbs::protection_domain& pd,
                                    const verbs::qp_caps& caps, ibv_srq* srq) {
     ibv_qp_init_attr init = verbs::rc_init_attr(send_cq.native(), recv_cq.native(), caps, srq);
     errno = 0;
-    cm_check(rdma_create_qp(state_->id, pd.native(), &init),
+    cm_check(detail::rdma_cm_hooks().create_qp.load()(state_->id, pd.native(), &init),
              "rdma_create_qp (the PD must come from the id's device())");
     // The deleter keeps the id (rdma_destroy_qp before rdma_destroy_id), the PD and the CQs.
     std::shared_ptr<ibv_qp> owned(state_->id->qp, [s = state_, pd_keep = pd.handle(),

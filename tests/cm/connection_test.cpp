@@ -661,6 +661,77 @@ TEST_CASE("the connecting peer rejects the listener's accept: the drop names rdm
     CHECK(named);
 }
 
+namespace {
+
+std::atomic<int> create_qp_refusals{0};
+std::atomic<std::uint16_t> create_qp_refused_port{0};
+
+// rdma_create_qp as the kernel answers for a request whose peer went after sending it (the id
+// has left REQ_RCVD): EINVAL for a request of the listener on create_qp_refused_port, while
+// refusals are left; otherwise the real call.
+int create_qp_peer_gone(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexcept {
+    if (ntohs(rdma_get_src_port(id)) == create_qp_refused_port && create_qp_refusals > 0) {
+        --create_qp_refusals;
+        errno = EINVAL;
+        return -1;
+    }
+    return rdma_create_qp(id, pd, init);
+}
+
+} // namespace
+
+// Fresh-clone CI of 2531a57: hostile 'vanish' (a peer that sends its request and exits) ended
+// reverse_server twice; the listener threw that EINVAL from accept() as its own failure.
+TEST_CASE("a request whose QP rdma_create_qp refuses with EINVAL (its peer went after sending "
+          "it) is dropped and logged, not thrown from accept(); the next client is accepted") {
+    const std::string ip = test_addr();
+    {
+        const std::lock_guard lock(seen_mutex);
+        seen_lines.clear();
+    }
+    auto& hook = detail::rdma_cm_hooks().create_qp;
+    const auto real = hook.load();
+    create_qp_refusals = 1;
+    hook = &create_qp_peer_gone;
+    const diagnostics_sink before = set_diagnostics_sink(keep_line);
+    io_context io;
+    listener l(io, ip + ":0");
+    create_qp_refused_port = l.port();
+    const std::string at = ip + ":" + std::to_string(l.port());
+    bool first_failed = false, served = false;
+    auto run = [&]() -> task<void> {
+        connection_options o;
+        o.step_timeout = 10s;
+        try {
+            co_await connect(io, at, o); // the request whose QP is refused
+        } catch (const std::exception& e) {
+            MESSAGE(std::string(e.what()));
+            first_failed = true;
+        }
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at, o));
+        co_await exchange(c, s, 41);
+        served = true;
+    };
+    try {
+        io.run(run());
+    } catch (const std::exception& e) {
+        FAIL(
+            std::string(e.what())); // before: accept() threw "rdma_create_qp ...: Invalid argument"
+    }
+    hook = real;
+    set_diagnostics_sink(before);
+    CHECK(create_qp_refusals == 0); // the hook refused the first request's QP
+    CHECK(first_failed);
+    CHECK(served);
+    const std::lock_guard lock(seen_mutex);
+    bool dropped = false;
+    for (const std::string& line : seen_lines) {
+        MESSAGE(line);
+        if (contains(line, "was dropped") && contains(line, "rdma_create_qp")) dropped = true;
+    }
+    CHECK(dropped);
+}
+
 TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and what the SRQ can "
           "complete at once") {
     const std::string ip = test_addr();
