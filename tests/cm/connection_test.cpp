@@ -715,8 +715,8 @@ TEST_CASE("a request whose QP rdma_create_qp refuses with EINVAL (its peer went 
     try {
         io.run(run());
     } catch (const std::exception& e) {
-        FAIL(
-            std::string(e.what())); // before: accept() threw "rdma_create_qp ...: Invalid argument"
+        // Before the fix: accept() threw "rdma_create_qp ...: Invalid argument".
+        FAIL(std::string(e.what()));
     }
     hook = real;
     set_diagnostics_sink(before);
