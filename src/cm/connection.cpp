@@ -505,6 +505,19 @@ void reject_busy(listener::state& s, cm_id& request, const std::string& from, co
     }
 }
 
+// Whether the kernel gave this request up (the peer rejected, disconnected or went after
+// sending it): its id then refuses what a live request allows, a QP's attributes for INIT
+// (EINVAL; IB CM and iWARP CM alike).
+bool request_withdrawn(const cm_id& id) {
+    rdma_cm_id* raw = id.native();
+    if (raw == nullptr) return true;
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_INIT;
+    int mask = 0;
+    errno = 0;
+    return rdma_init_qp_attr(raw, &attr, &mask) != 0 && errno == EINVAL;
+}
+
 // One request's handshake: its CQ and qp, then rdma_accept until established (step_timeout).
 // Never throws: the connection or the listener's own failure goes to accept(), the peer's
 // failure to the diagnostics sink.
@@ -528,12 +541,12 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
     } catch (const std::exception& e) {
         --s->handshakes;
         if (s->gone) co_return; // the request goes with p (rejected if unanswered)
-        // rdma_create_qp refusing the request with EINVAL: the kernel's id has left the state
-        // that takes a QP (the peer gave up or went after sending it): the peer's failure, not
-        // the listener's (hostile 'vanish' killed reverse_server through accept()).
+        // EINVAL from making the request's QP (rdma_create_qp, rdma_init_qp_attr) once the
+        // kernel gave the request up is the peer's failure, not the listener's (hostile
+        // 'vanish' ended reverse_server through accept()); with the request still live it is
+        // ours (a QP the device refuses for our options).
         if (const auto* se = dynamic_cast<const std::system_error*>(&e);
-            ours && se != nullptr && se->code().value() == EINVAL &&
-            std::string_view(se->what()).starts_with("rdma_create_qp"))
+            ours && se != nullptr && se->code().value() == EINVAL && request_withdrawn(p->id))
             ours = false;
         if (ours) {
             detail::diagnose("listener on port %u: the request from %s was rejected: %s",
