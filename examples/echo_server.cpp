@@ -326,6 +326,11 @@ task<void> connection::echo_loop(std::uint32_t slot) {
             ++summary_.messages;
             summary_.bytes += received.byte_len;
         }
+    } catch (const connection_reset&) {
+        // Flushed by a connection end the server did not cause (close() keeps the server's own
+        // reason when it closed first): on iWARP the QP fails as the client's TCP stream ends,
+        // before the DISCONNECTED event says so.
+        why = "the client disconnected";
     } catch (const completion_error& e) {
         why = failure(current, e.status());
     } catch (const std::system_error& e) {
@@ -530,8 +535,13 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         try {
             ibv_wc sent = co_await c->echo(buffer(received.byte_len));
             (void)sent;
+        } catch (const connection_reset&) {
+            // Flushed by a connection end the server did not cause (fail() ignores a closing
+            // connection): on iWARP the QP fails as the client's TCP stream ends, before the
+            // DISCONNECTED event says so.
+            echo_failed = "the client disconnected";
         } catch (const std::exception& e) {
-            echo_failed = e.what();
+            echo_failed = std::string("echo send failed: ") + e.what();
         }
         --shared.sending;
         // The connection may have closed (and gone) meanwhile: look it up again.
@@ -539,7 +549,7 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
             if (echo_failed.empty())
                 again->echoed(received.byte_len);
             else
-                again->fail("echo send failed: " + echo_failed);
+                again->fail(std::move(echo_failed));
         }
     }
 }
