@@ -2,16 +2,18 @@
 // ringverbs, so that it can do what the library would not). tests/examples/hostile_test.py runs
 // each mode against reverse_server and echo_server next to a well-behaved client.
 //
-//   hostile_peer MODE ADDRESS PORT [ARG]
+//   hostile_peer MODE ADDRESS PORT [ARG [ARG2]]
 //
 //   silent SECONDS  sends its connect request, then never reads another rdma_cm event (so
 //                   never sends the RTU: librdmacm sends it while processing the
 //                   CONNECT_RESPONSE), for SECONDS; then exits without cleaning up
 //   vanish          sends its connect request and exits at once (mid-handshake)
-//   flood N         N connect requests at once from one process, then handles what comes for
-//                   up to 20 s (established ones are disconnected); prints what it got
+//   flood N [K]     N connect requests at once from one process (or from processes of K each),
+//                   then handles what comes for up to 20 s (established ones are
+//                   disconnected); prints what they got
 //   write-imm       connects, then an RDMA WRITE WITH IMMEDIATE of 16 KiB to an address and
-//                   rkey it made up, and one of 0 bytes (each consumes a receive at the server)
+//                   rkey it made up, and one of 0 bytes (each consumes a receive at the server);
+//                   exits 3 on iWARP, which has no such opcode
 //   oversized BYTES connects and sends one message of BYTES (larger than the server's receives)
 //   after-dreq      connects, sends one message, disconnects, then keeps posting sends
 //   private-data    connects with 56 bytes of garbage as private data (after trying 200, which
@@ -19,7 +21,7 @@
 //
 // Prints "local port N" once its first id has a port (the server's log names the peer by it),
 // then a line of what happened. Exits 0 when the mode ran, 1 naming the call that failed
-// unexpectedly, 2 on bad usage.
+// unexpectedly, 2 on bad usage, 3 when the device cannot do what the mode needs.
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
@@ -27,13 +29,18 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -79,15 +86,24 @@ ibv_qp_init_attr small_qp() {
 }
 
 // An id on `ch` with its address and route resolved and a qp (librdmacm's default PD and CQs).
+// Says which step failed (on stderr) and gives nullptr then.
 rdma_cm_id* prepared_id(rdma_event_channel* ch, const sockaddr_in& to) {
     rdma_cm_id* id = nullptr;
-    if (rdma_create_id(ch, &id, nullptr, RDMA_PS_TCP) != 0) return nullptr;
+    if (rdma_create_id(ch, &id, nullptr, RDMA_PS_TCP) != 0) {
+        fail("rdma_create_id");
+        return nullptr;
+    }
     if (rdma_resolve_addr(id, nullptr, (sockaddr*)&to, 2000) != 0 ||
         !expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED) || rdma_resolve_route(id, 2000) != 0 ||
-        !expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED))
+        !expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED)) {
+        fail("rdma_resolve_addr / rdma_resolve_route");
         return nullptr;
+    }
     ibv_qp_init_attr attr = small_qp();
-    if (rdma_create_qp(id, nullptr, &attr) != 0) return nullptr;
+    if (rdma_create_qp(id, nullptr, &attr) != 0) {
+        fail("rdma_create_qp");
+        return nullptr;
+    }
     return id;
 }
 
@@ -123,11 +139,18 @@ rdma_cm_id* connected(const char* address, const char* port, const void* data = 
     return id;
 }
 
-// Waits for one send-side completion: its status, or -1.
+// Waits for one send-side completion, 5 s at most (siw never completes a send posted after its
+// connection ended): its status, or -1.
 int send_status(rdma_cm_id* id) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     ibv_wc wc{};
-    if (rdma_get_send_comp(id, &wc) <= 0) return -1;
-    return wc.status;
+    while (std::chrono::steady_clock::now() < end) {
+        const int n = ibv_poll_cq(id->send_cq, 1, &wc);
+        if (n < 0) return -1;
+        if (n == 1) return wc.status;
+        usleep(100);
+    }
+    return -1;
 }
 
 int silent_or_vanish(const sockaddr_in& to, bool vanish, int seconds) {
@@ -149,49 +172,97 @@ int silent_or_vanish(const sockaddr_in& to, bool vanish, int seconds) {
     _exit(0); // no cleanup: the kernel ends what is left
 }
 
-int flood(const sockaddr_in& to, int n) {
+// What the requests of a flood got, summed over its processes (shared memory when forked).
+struct flood_counts {
+    std::atomic<int> established{0}, rejected{0}, busy{0}, other{0}, unprepared{0};
+};
+
+// One process's share of a flood: n requests on one event channel, sent at once, then what
+// comes for up to 20 s. Counts into c; 0, or 1 when a call failed.
+int flood_share(const sockaddr_in& to, int n, flood_counts& c, bool say_port) {
     rdma_event_channel* ch = rdma_create_event_channel();
     if (ch == nullptr) return fail("rdma_create_event_channel");
     std::vector<rdma_cm_id*> ids;
     for (int i = 0; i < n; ++i) {
         rdma_cm_id* id = prepared_id(ch, to);
-        if (id == nullptr) return fail("resolve / rdma_create_qp");
+        if (id == nullptr) {
+            std::fprintf(stderr, "hostile_peer: flood: request %d of %d could not be prepared\n",
+                         i + 1, n);
+            c.unprepared += n - i;
+            return 1;
+        }
         ids.push_back(id);
     }
-    print_port(ids.front());
+    if (say_port) print_port(ids.front());
     for (rdma_cm_id* id : ids) {
         rdma_conn_param p = conn_param();
         if (rdma_connect(id, &p) != 0) return fail("rdma_connect");
     }
-    int established = 0, rejected = 0, other = 0, busy = 0;
+    int answered = 0;
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (established + rejected + other < n && std::chrono::steady_clock::now() < end) {
+    while (answered < n && std::chrono::steady_clock::now() < end) {
         rdma_cm_event* ev = next_event(ch, 1000);
         if (ev == nullptr) continue;
         if (ev->event == RDMA_CM_EVENT_ESTABLISHED) {
-            ++established;
+            ++answered;
+            ++c.established;
             rdma_disconnect(ev->id);
         } else if (ev->event == RDMA_CM_EVENT_REJECTED) {
-            ++rejected;
+            ++answered;
+            ++c.rejected;
             const auto* d = static_cast<const char*>(ev->param.conn.private_data);
             if (d != nullptr && ev->param.conn.private_data_len >= 5 &&
                 std::memcmp(d, "busy:", 5) == 0)
-                ++busy;
+                ++c.busy;
         } else if (ev->event != RDMA_CM_EVENT_DISCONNECTED &&
                    ev->event != RDMA_CM_EVENT_TIMEWAIT_EXIT) {
-            ++other;
+            ++answered;
+            ++c.other;
         }
         rdma_ack_cm_event(ev);
     }
-    std::printf("flood: %d requests: %d established, %d rejected (%d busy), %d other\n", n,
-                established, rejected, busy, other);
-    std::fflush(stdout);
     for (rdma_cm_id* id : ids) {
         rdma_destroy_qp(id);
         rdma_destroy_id(id);
     }
     rdma_destroy_event_channel(ch);
     return 0;
+}
+
+// n requests at once; from one process, or split over processes of at most per_process each
+// (libsiw refuses the object whose queue lands at mmap key 144 of a context, with errno 0: a
+// process on librdmacm's shared context gets about 36 QPs with their CQs; README, iWARP notes).
+int flood(const sockaddr_in& to, int n, int per_process) {
+    void* shared = mmap(nullptr, sizeof(flood_counts), PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED) return fail("mmap");
+    auto* c = new (shared) flood_counts;
+    int processes = 1, failed = 0;
+    if (per_process <= 0 || per_process >= n) {
+        failed = flood_share(to, n, *c, true);
+    } else {
+        processes = (n + per_process - 1) / per_process;
+        std::vector<pid_t> children;
+        for (int i = 0; i < processes; ++i) {
+            const int share = std::min(per_process, n - i * per_process);
+            const pid_t pid = fork();
+            if (pid < 0) return fail("fork");
+            if (pid == 0) _exit(flood_share(to, share, *c, false));
+            children.push_back(pid);
+        }
+        std::printf("flood: %d processes started\n", processes);
+        std::fflush(stdout);
+        for (pid_t pid : children) {
+            int st = 0;
+            if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failed;
+        }
+    }
+    std::printf("flood: %d requests from %d process(es): %d established, %d rejected (%d busy), "
+                "%d other, %d not prepared; %d process(es) failed\n",
+                n, processes, c->established.load(), c->rejected.load(), c->busy.load(),
+                c->other.load(), c->unprepared.load(), failed);
+    std::fflush(stdout);
+    return failed != 0 ? 1 : 0;
 }
 
 int write_imm(const char* address, const char* port) {
@@ -212,7 +283,16 @@ int write_imm(const char* address, const char* port) {
         wr.send_flags = IBV_SEND_SIGNALED;
         wr.wr.rdma.remote_addr = 0x1000; // made up: the server never told us a region
         wr.wr.rdma.rkey = 0x1234;
-        if (ibv_post_send(id->qp, &wr, &bad) != 0) return fail("ibv_post_send");
+        if (const int rc = ibv_post_send(id->qp, &wr, &bad); rc != 0) {
+            if (id->verbs->device->transport_type == IBV_TRANSPORT_IWARP) {
+                // iWARP's RDMAP has no write with immediate (libsiw refuses the opcode).
+                std::printf("write-imm: not supported on this iWARP device (ibv_post_send: %d)\n",
+                            rc);
+                std::fflush(stdout);
+                return 3;
+            }
+            return fail("ibv_post_send");
+        }
         statuses[i] = send_status(id);
     }
     std::printf("write-imm: 16 KiB: %s; 0 bytes: %s\n",
@@ -254,14 +334,18 @@ int after_dreq(const char* address, const char* port) {
     const int first = send_status(id);
     rdma_disconnect(id);
     int posted = 0, flushed = 0;
+    int unanswered = 0;
     for (int i = 0; i < 50; ++i) {
         if (rdma_post_send(id, nullptr, msg, sizeof msg, mr, 0) != 0) break;
         ++posted;
-        if (send_status(id) == IBV_WC_WR_FLUSH_ERR) ++flushed;
+        const int st = send_status(id);
+        if (st == IBV_WC_WR_FLUSH_ERR) ++flushed;
+        if (st < 0 && ++unanswered == 2) break; // siw: posts after the end never complete
     }
-    std::printf("after-dreq: first send %s; %d sends after the DREQ, %d flushed\n",
+    std::printf("after-dreq: first send %s; %d sends after the DREQ, %d flushed, %d never "
+                "completed\n",
                 first < 0 ? "no completion" : ibv_wc_status_str(ibv_wc_status(first)), posted,
-                flushed);
+                flushed, unanswered);
     std::fflush(stdout);
     rdma_dereg_mr(mr);
     rdma_destroy_ep(id);
@@ -314,7 +398,7 @@ int main(int argc, char** argv) {
     }
     if (mode == "silent") return silent_or_vanish(to, false, arg > 0 ? arg : 5);
     if (mode == "vanish") return silent_or_vanish(to, true, 0);
-    if (mode == "flood") return flood(to, arg > 0 ? arg : 1000);
+    if (mode == "flood") return flood(to, arg > 0 ? arg : 1000, argc > 5 ? std::atoi(argv[5]) : 0);
     if (mode == "write-imm") return write_imm(address, port);
     if (mode == "oversized") return oversized(address, port, arg > 0 ? arg : 65536);
     if (mode == "after-dreq") return after_dreq(address, port);
