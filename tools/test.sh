@@ -14,12 +14,15 @@
 #    (tools/softroce-vm: directly, or Soft-RoCE in QEMU; then again in QEMU on Debian 13's
 #    6.12 kernel; its runtime part on Soft-iWARP too), the cluster suite on two Soft-RoCE
 #    guests joined by a virtual link (tools/softroce-vm -n 2: echo across hosts, faults on the
-#    link), the engine benchmark (it fails when our steady state allocates).
+#    link), the engine benchmark (it fails when our steady state allocates), the cost per
+#    message counted in instructions and system calls (tools/bench-cost, one VM boot: it fails
+#    when ours exceeds tools/cost-budget.json).
 # 2. Clang build with AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/): both
 #    suites again, and the hostile peer against the ASan-built servers.
 # 3. Clang build with ThreadSanitizer (build-tsan/): the engine tests where threads meet
 #    (cross-thread post/schedule/stop, stop_token racing completions), and on the device (VM
-#    with -cpu max) the rdma cases where threads meet.
+#    with -cpu max) the rdma cases where threads meet and echo_server --threads 2 (echo_test's
+#    'threads' case).
 # Ends with one line "tests: N passed, N failed, N skipped" and exits non-zero when anything
 # failed. A suite that cannot run (no device and no VM) is reported as SKIPPED, never passed.
 set -euo pipefail
@@ -46,6 +49,12 @@ logs=$top/build/test-logs
 rm -rf "$logs"
 mkdir -p "$logs"
 status=0
+# failed NAME WHY: a step that failed, said again at the end (after the counts).
+failed() {
+    echo "!!! $1: FAILED ($2)"
+    echo "$1: $2" >> "$logs/failed-steps"
+    status=1
+}
 
 configure() { # dir, compiler, extra meson args...
     local dir=$1 cxx=$2
@@ -83,7 +92,7 @@ run_suite() {
         0) ;;
         77) echo "!!! $name: SKIPPED: no RDMA device and no Soft-RoCE VM available (see above)"
             echo "skipped $name" >> "$logs/skipped-suites" ;;
-        *) echo "!!! $name: FAILED (exit $rc)"; status=1 ;;
+        *) failed "$name" "exit $rc" ;;
     esac
 }
 
@@ -112,6 +121,9 @@ for name in sorted(os.listdir(logs)):
 skipped_suites = os.path.join(logs, "skipped-suites")
 if os.path.exists(skipped_suites):
     print("  SKIPPED suites:", ", ".join(l.split()[1] for l in open(skipped_suites)))
+steps = os.path.join(logs, "failed-steps")
+if os.path.exists(steps):
+    print("  FAILED steps:", "; ".join(l.strip() for l in open(steps)))
 # The failures last, with the end of their output: a CI log is often read from its tail.
 for suite, test, res, out in failures:
     print(f"\n--- FAILED {suite} / {test} ({res}); the last lines of its output:")
@@ -154,11 +166,16 @@ run_suite engine-gcc build engine
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
 run_suite consumer-gcc build consumer
 run_suite rdma-gcc build "rdma consumer-rdma hostile" vm
-# A hostile peer (tests/examples/hostile_peer.cpp) against each server, next to a good client.
-if [ -f build/bench-results/hostile.json ]; then
-    echo "hostile.json (build/bench-results/hostile.json):"
-    cat build/bench-results/hostile.json
-fi
+# A hostile peer (tests/examples/hostile_peer.cpp) against each server, next to a good client:
+# its hostile.json, kept as hostile-<run>.json (moved, so that a run without it shows none).
+show_hostile() {
+    if [ -f build/bench-results/hostile.json ]; then
+        echo "hostile.json (build/bench-results/hostile-$1.json):"
+        cat build/bench-results/hostile.json
+        mv build/bench-results/hostile.json "build/bench-results/hostile-$1.json"
+    fi
+}
+show_hostile 6.1
 # The soak of the rdma suite (tests/rdma/soak_test.cpp) summarises its run here.
 show_faults() {
     if [ -f build/bench-results/faults.json ]; then
@@ -173,10 +190,12 @@ show_faults 6.1
 run_suite rdma-gcc-6.12 build rdma vm-6.12
 show_faults 6.12
 # The runtime tests (suite 'runtime': tests/verbs, tests/rdma, tests/cm) on a second provider:
-# Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1. Cases
-# that need InfiniBand/RoCE or what siw lacks are listed as skipped there, with the reason.
+# Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1, the
+# examples' tests and the hostile peer among them. Cases that need InfiniBand/RoCE or what siw
+# lacks are listed as skipped there (or not applicable), with the reason.
 run_suite rdma-gcc-siw build runtime vm-siw
 show_faults siw
+show_hostile siw
 # Two guests joined by a virtual link (tools/softroce-vm -n 2): echo across hosts, faults on
 # the link (tests/cluster).
 run_suite cluster-gcc build cluster cluster
@@ -184,9 +203,22 @@ run_suite cluster-gcc build cluster cluster
 echo
 echo "=== engine benchmark (ours vs liburing vs epoll; fails if the steady state allocates)"
 if ! build/tests/bench/engine_bench build/bench-results 50000; then
-    echo "!!! engine benchmark FAILED"
-    status=1
+    failed "engine benchmark" "see above"
 fi
+
+echo
+echo "=== cost per message, counted (tools/bench-cost: user-space instructions by callgrind and"
+echo "    system calls by strace, per message and side of the 2-byte ping-pong, ours next to raw"
+echo "    verbs and ib_send_lat; fails when ours exceeds tools/cost-budget.json)"
+rc=0
+tools/bench-cost || rc=$?
+case $rc in
+    0) ;;
+    77) echo "!!! bench-cost: SKIPPED: no Soft-RoCE VM, valgrind or strace"
+        echo "skipped bench-cost" >> "$logs/skipped-suites" ;;
+    4) failed bench-cost "over budget: build/bench-results/cost.json, tools/cost-budget.json" ;;
+    *) failed bench-cost "exit $rc" ;;
+esac
 
 echo
 echo "=== Clang + ASan/UBSan build (build-asan/)"
@@ -218,24 +250,33 @@ export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 rc=0
 meson test -C build-tsan --no-rebuild --print-errorlogs --logbase engine-tsan "${tsan_tests[@]}" || rc=$?
 cp build-tsan/meson-logs/engine-tsan.json "$logs/" 2>/dev/null || true
-[ $rc -eq 0 ] || { echo "!!! engine-tsan: FAILED (exit $rc)"; status=1; }
+[ $rc -eq 0 ] || failed engine-tsan "exit $rc"
 
 echo
 echo "=== ThreadSanitizer on a device: the rdma cases where threads meet (doctest suite 'threads':"
-echo "    events routed to another thread's cq and srq, two threads with their own contexts)"
+echo "    events routed to another thread's cq and srq, two threads with their own contexts), and"
+echo "    echo_test's 'threads' case (echo_server --threads 2: 16 connections over both threads,"
+echo "    a SIGTERM with connections open on both), in one VM boot"
 tsan_rdma=(rdma_device_events rdma_srq rdma_channel)
 # shellcheck disable=SC2046 # word splitting wanted: one target per test
-ninja -C build-tsan $(printf 'tests/rdma/%s_test ' "${tsan_rdma[@]}")
+ninja -C build-tsan $(printf 'tests/rdma/%s_test ' "${tsan_rdma[@]}") examples/echo_server \
+    examples/echo_client tests/examples/rnr_peer
 # TSan's runtime dies with SIGILL on QEMU's default qemu64 CPU: the guest gets -cpu max.
 rc=0
-RINGVERBS_QEMU_CPU=max tools/softroce-vm -t 900 -- meson test -C build-tsan --no-rebuild \
-    --print-errorlogs --logbase rdma-tsan --test-args=-ts=threads "${tsan_rdma[@]}" || rc=$?
-cp build-tsan/meson-logs/rdma-tsan.json "$logs/" 2>/dev/null || true
+RINGVERBS_QEMU_CPU=max tools/softroce-vm -t 1200 -- bash -c '
+    rc=0
+    meson test -C build-tsan --no-rebuild --print-errorlogs --logbase rdma-tsan \
+        --test-args=-ts=threads "$@" || rc=$?
+    meson test -C build-tsan --no-rebuild --print-errorlogs --logbase echo-tsan \
+        --test-args=threads echo || rc=$?
+    exit $rc' tsan "${tsan_rdma[@]}" || rc=$?
+cp build-tsan/meson-logs/rdma-tsan.json build-tsan/meson-logs/echo-tsan.json "$logs/" \
+    2>/dev/null || true
 case $rc in
     0) ;;
     77) echo "!!! rdma-tsan: SKIPPED: no RDMA device and no Soft-RoCE VM available"
         echo "skipped rdma-tsan" >> "$logs/skipped-suites" ;;
-    *) echo "!!! rdma-tsan: FAILED (exit $rc)"; status=1 ;;
+    *) failed "rdma-tsan + echo-tsan" "exit $rc" ;;
 esac
 
 echo

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""The inside part of tools/bench-cost: cost per message you can count, on a device.
+
+    bench_cost_inside.py --bin RDMA_BENCH --out COST_JSON [--budget BUDGET_JSON]
+                         [--short N] [--long N]
+
+For each series of the 2-byte ping-pong (tests/bench/rdma_bench.cpp lat: two processes, one
+round trip = one message each way, so one message sent and one received per side), it runs a
+short and a long run and keeps the difference divided by the extra round trips and by the two
+sides: what one more message costs one side, with the set-up cancelled out.
+
+- instructions: user-space instructions (valgrind --tool=callgrind, both processes), the same
+  total for the same binary and inputs whatever the host does. Only where nothing spins: in
+  events mode a side that waits sleeps in the kernel; busy and hybrid poll in user space while
+  the peer answers, so their instruction counts measure the wait (reported, never gated).
+- syscalls: system calls by name (strace -f -c, both processes).
+
+Series: events (ours; raw verbs with a blocking ibv_get_cq_event; raw verbs waiting in a bare
+liburing poll first; perftest's ib_send_lat -e, system calls only), busy (ours; raw verbs;
+ib_send_lat), hybrid (ours). Writes COST_JSON:
+  {"mode": {"series": {"instructions": N|null, "syscalls": N, "by_name": {...}}}, "meta": {...},
+   "budget": {...}, "over_budget": [...]}
+and exits 1 when a run failed, 4 when ours exceeds a budget of BUDGET_JSON
+({"mode": {"ours": {"instructions": N, "syscalls": N}}}), 77 without a device or valgrind/strace.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+DEV = os.environ.get("RINGVERBS_DEVICE", "rxe0")
+GID = os.environ.get("RINGVERBS_GID_INDEX", "1")
+ADDR = os.environ.get("RINGVERBS_ADDR", "")
+WORK = tempfile.mkdtemp(prefix="bench-cost.")
+
+
+def say(text):
+    print(f"bench-cost: {text}", file=sys.stderr, flush=True)
+
+
+# mode -> series -> (program kind, extra arguments, whether instructions are counted)
+def series(bin_path):
+    ours = lambda *a: ("ours", [bin_path, "lat", "--timeout", "900", *a])
+    return {
+        "events": {
+            "ours": (*ours("--mode", "events"), True),
+            "raw_read": (*ours("--mode", "events", "--raw", "1"), True),
+            "raw_uring": (*ours("--mode", "events", "--raw", "1", "--raw-wait", "uring"), True),
+            "ib_send_lat_e": ("perftest", ["ib_send_lat", "-e", "-s", "2"], False),
+        },
+        "busy": {
+            "ours": (*ours("--mode", "busy"), False),
+            "raw": (*ours("--mode", "busy", "--raw", "1"), False),
+            "ib_send_lat": ("perftest", ["ib_send_lat", "-s", "2"], False),
+        },
+        "hybrid": {
+            "ours": (*ours("--mode", "hybrid"), False),
+        },
+    }
+
+
+def run_ours(cmd, iters, wrapper, timeout):
+    full = [*wrapper, *cmd, "--iters", str(iters), "--warmup", "100"]
+    r = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(full)}: exit {r.returncode}\n{r.stderr[-2000:]}")
+
+
+PORT = [18900]
+
+
+def wait_listening(port, seconds=20):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+        if out.strip():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def run_perftest(cmd, iters, wrapper_for, timeout):
+    """perftest's server and client, each under its own wrapper (wrapper_for("server"|"client"))."""
+    PORT[0] += 1
+    args = [*cmd, "-d", DEV, "-x", GID, "-F", "-p", str(PORT[0]), "-n", str(iters)]
+    server = subprocess.Popen([*wrapper_for("server"), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    if not wait_listening(PORT[0]):
+        server.kill()
+        raise RuntimeError(f"{cmd[0]}: the server never listened on {PORT[0]}")
+    client = subprocess.run([*wrapper_for("client"), *args, ADDR], capture_output=True, text=True,
+                            timeout=timeout)
+    out, _ = server.communicate(timeout=timeout)
+    if client.returncode != 0 or server.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: client exit {client.returncode}, server exit "
+                           f"{server.returncode}\n{client.stdout[-1500:]}{out[-1500:]}")
+
+
+def callgrind_total(kind, cmd, iters):
+    d = tempfile.mkdtemp(dir=WORK)
+    wrap = lambda tag: ["valgrind", "--tool=callgrind", f"--callgrind-out-file={d}/{tag}.%p",
+                        "--dump-instr=no", "--compress-strings=no"]
+    if kind == "perftest":
+        run_perftest(cmd, iters, wrap, 1800)
+    else:
+        run_ours(cmd, iters, wrap("run"), 1800)
+    total = 0
+    files = glob.glob(f"{d}/*")
+    for f in files:
+        with open(f) as fh:
+            for line in fh:
+                m = re.match(r"(?:summary|totals):\s+(\d+)", line)
+                if m:
+                    total += int(m.group(1))
+                    break
+    if len(files) < 2:
+        raise RuntimeError(f"callgrind wrote {len(files)} profile(s), not one per process")
+    return total
+
+
+def strace_counts(kind, cmd, iters):
+    d = tempfile.mkdtemp(dir=WORK)
+    wrap = lambda tag: ["strace", "-f", "-c", "-U", "name,calls", "-o", f"{d}/{tag}"]
+    if kind == "perftest":
+        run_perftest(cmd, iters, wrap, 600)
+    else:
+        run_ours(cmd, iters, wrap("run"), 600)
+    by_name = {}
+    for f in glob.glob(f"{d}/*"):
+        with open(f) as fh:
+            for line in fh:
+                m = re.match(r"\s*([a-z_0-9]+)\s+(\d+)\s*$", line)
+                if m and m.group(1) not in ("syscall", "total"):
+                    by_name[m.group(1)] = by_name.get(m.group(1), 0) + int(m.group(2))
+    return by_name
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget")
+    ap.add_argument("--short", type=int, default=100)
+    ap.add_argument("--long", type=int, default=600)
+    ap.add_argument("--modes", default="events,busy,hybrid")
+    a = ap.parse_args()
+    if not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+        say("no RDMA device: SKIP")
+        return 77
+    for tool in ("valgrind", "strace"):
+        if shutil.which(tool) is None:
+            say(f"{tool} is missing: SKIP")
+            return 77
+    have_perftest = shutil.which("ib_send_lat") is not None and ADDR != ""
+    extra = 2 * (a.long - a.short)  # messages sent, both sides together
+    result = {"meta": {"device": DEV, "kernel": os.uname().release, "short": a.short, "long": a.long,
+                       "unit": "per message and side (marginal between the short and the long run)"}}
+    failed = False
+    for mode, table in series(os.path.abspath(a.bin)).items():
+        if mode not in a.modes.split(","):
+            continue
+        result[mode] = {}
+        for name, (kind, cmd, count_instructions) in table.items():
+            if kind == "perftest" and not have_perftest:
+                say(f"{mode}/{name}: perftest or RINGVERBS_ADDR missing: not measured")
+                continue
+            t0 = time.monotonic()
+            try:
+                s0, s1 = strace_counts(kind, cmd, a.short), strace_counts(kind, cmd, a.long)
+                by_name = {k: round((s1.get(k, 0) - s0.get(k, 0)) / extra, 3) for k in sorted(set(s0) | set(s1))}
+                by_name = {k: v for k, v in by_name.items() if abs(v) >= 0.005}
+                entry = {"syscalls": round(sum(by_name.values()), 3), "by_name": by_name,
+                         "instructions": None}
+                if count_instructions:
+                    i0, i1 = callgrind_total(kind, cmd, a.short), callgrind_total(kind, cmd, a.long)
+                    entry["instructions"] = round((i1 - i0) / extra)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                say(f"{mode}/{name}: FAILED: {e}")
+                failed = True
+                continue
+            entry["seconds"] = round(time.monotonic() - t0, 1)
+            result[mode][name] = entry
+            say(f"{mode}/{name}: {entry['instructions']} instructions, {entry['syscalls']} system calls "
+                f"{entry['by_name']} ({entry['seconds']} s)")
+    over = []
+    if a.budget:
+        with open(a.budget) as f:
+            budget = json.load(f)
+        result["budget"] = budget
+        for mode, per in budget.items():
+            if mode.startswith("_"):
+                continue
+            for name, limits in per.items():
+                got = result.get(mode, {}).get(name)
+                for what, limit in limits.items():
+                    if what.startswith("_"):
+                        continue
+                    value = got.get(what) if got else None
+                    if value is None or value > limit:
+                        over.append(f"{mode}/{name} {what}: {value} (budget {limit})")
+        result["over_budget"] = over
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for line in over:
+        say(f"over budget: {line}")
+    if failed:
+        return 1
+    return 4 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
