@@ -22,6 +22,7 @@
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/connection.hpp>
+#include <ringverbs/engine/nothrow.hpp>
 #include <ringverbs/engine/signal_set.hpp>
 
 #include <arpa/inet.h>
@@ -263,13 +264,8 @@ task<void> run_connection(client& cl, int number) {
         // Another try, later: the turn goes to the next connection meanwhile.
         ++cl.retries;
         my_turn.give_back();
-        bool interrupted = false;
-        try {
-            co_await sleep_for(cl.io, backoff(cl, attempt), stop);
-        } catch (const std::system_error&) {
-            interrupted = true; // a co_await may not be in a handler
-        }
-        if (interrupted)
+        const result<void> slept = co_await nothrow(sleep_for(cl.io, backoff(cl, attempt), stop));
+        if (!slept)
             throw std::runtime_error("connection " + std::to_string(number) +
                                      ": interrupted before it was established");
         co_await cl.connecting.acquire();
@@ -361,13 +357,9 @@ task<void> run_connection(client& cl, int number) {
                                     [&wake]() noexcept { wake.request_stop(); });
     std::stop_source exchanged; // the exchange below is over: ends the watch
     auto watch_disconnect = [&]() -> task<void> {
-        bool gone = true;
-        try {
-            co_await id.disconnected(wait_options(exchanged.get_token()));
-        } catch (const std::system_error&) {
-            gone = false; // the exchange ended first (a co_await may not be in a handler)
-        }
-        if (gone) wake.request_stop();
+        const wait_options until_exchanged(exchanged.get_token());
+        const result<void> gone = co_await nothrow(id.disconnected(until_exchanged));
+        if (gone) wake.request_stop(); // else the exchange ended first
     };
     struct end_watch {
         std::stop_source& exchanged;
@@ -390,16 +382,13 @@ task<void> run_connection(client& cl, int number) {
             const wait_options wait = closing             ? wait_options(5s)
                                       : quiet.count() > 0 ? wait_options(quiet, wake.get_token())
                                                           : wait_options(wake.get_token());
-            bool interrupted = false, timed_out = false;
-            try {
-                wc = co_await completions.next(wait);
-            } catch (const std::system_error& e) {
-                interrupted = true; // a co_await may not be in a handler
-                timed_out = e.code() == std::errc::timed_out;
-                // The device went away: that is why the connection ends, whatever was seen first
-                // (a post to its QP refused, completions flushed).
-                if (e.code() == std::errc::no_such_device) post_error = error = e.what();
-            }
+            result<ibv_wc> polled = co_await nothrow(completions.next(wait));
+            const bool interrupted = !polled;
+            const bool timed_out = polled.error() == std::errc::timed_out;
+            // The device went away: that is why the connection ends, whatever was seen first (a
+            // post to its QP refused, completions flushed).
+            if (polled.error() == std::errc::no_such_device) post_error = error = polled.what();
+            if (polled) wc = *polled;
             if (interrupted && closing) break;
             if (timed_out) {
                 co_await close("no reply for " + std::to_string(quiet.count()) +

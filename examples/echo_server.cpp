@@ -33,6 +33,7 @@
 #include "echo_common.hpp"
 
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/engine/nothrow.hpp>
 #include <ringverbs/engine/signal_set.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
@@ -295,17 +296,15 @@ task<summary> connection::serve() {
 // Tells the client what the server takes (in the accept's private data), then lets it send.
 task<void> connection::accept() {
     const echo::server_hello hello{htonl(max_size_), htonl(depth_)};
-    std::string failed;
-    try {
-        co_await id_.accept_connection(std::as_bytes(std::span(&hello, 1)), wait_options(10s));
-        accepted_ = true;
-    } catch (const std::exception& e) {
-        failed = e.what(); // a co_await may not be in a handler
+    const wait_options bound(10s);
+    const result<void> answered =
+        co_await nothrow(id_.accept_connection(std::as_bytes(std::span(&hello, 1)), bound));
+    if (!answered) {
+        co_await close(answered.what());
+        co_return;
     }
-    if (!failed.empty())
-        co_await close(std::move(failed));
-    else if (closing_)
-        co_await disconnect(); // closed (by the server's stop) while accepting
+    accepted_ = true;
+    if (closing_) co_await disconnect(); // closed (by the server's stop) while accepting
 }
 
 // One buffer's life: receive a message into it, send it back from it, repeat. Each co_await
@@ -349,13 +348,9 @@ task<void> connection::watch_idle() {
     while (!closing_) {
         const auto quiet = std::chrono::steady_clock::now() - last_message_;
         if (quiet >= limit) break;
-        bool ended = false;
-        try {
-            co_await sleep_for(*worker_.io, limit - quiet, ending_.get_token());
-        } catch (const std::system_error&) {
-            ended = true; // closed for another reason (a co_await may not be in a handler)
-        }
-        if (ended) co_return;
+        const result<void> slept =
+            co_await nothrow(sleep_for(*worker_.io, limit - quiet, ending_.get_token()));
+        if (!slept) co_return; // closed for another reason
     }
     co_await close("idle: no message for " + std::to_string(limit.count()) + " s (--idle-timeout " +
                    std::to_string(limit.count()) + ")");

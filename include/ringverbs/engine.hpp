@@ -1,5 +1,5 @@
 // The io_uring engine in one include: tasks, the io_context, polls, timers, sockets, files,
-// signals (signal_set), when_all, when_any. Needs liburing only (link ringverbs-engine).
+// signals (signal_set), when_all, when_any, nothrow. Needs liburing only (link ringverbs-engine).
 #pragma once
 
 #include <ringverbs/config.hpp>
@@ -7,6 +7,7 @@
 #include <ringverbs/engine/error.hpp>
 #include <ringverbs/engine/file_io.hpp>
 #include <ringverbs/engine/io_context.hpp>
+#include <ringverbs/engine/nothrow.hpp>
 #include <ringverbs/engine/poll.hpp>
 #include <ringverbs/engine/signal_set.hpp>
 #include <ringverbs/engine/socket.hpp>

@@ -5,6 +5,7 @@
 #include <ringverbs/cm/connection.hpp>
 #include <ringverbs/cm/detail/cm_hooks.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/engine/nothrow.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
@@ -240,6 +241,40 @@ TEST_CASE("connect where nothing listens: connection_rejected, within a moment")
         CHECK(contains(e.what(), "nothing listens"));
     }
     CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+}
+
+TEST_CASE("nothrow on the library's awaits: a refused connect and a receive that times out as "
+          "error codes, a send and a receive that complete as values") {
+    const std::string ip = test_addr();
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    bool ran = false;
+    auto run = [&]() -> task<void> {
+        result<connection> refused = co_await nothrow(connect(io, ip + ":20891"));
+        CHECK(!refused);
+        CHECK(refused.error() == std::errc::connection_refused);
+        CHECK(contains(refused.what(), "nothing listens"));
+        CHECK_THROWS_AS(refused.rethrow_if_failed(), connection_rejected);
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        std::vector<std::byte> out(256, std::byte{9}), in(256);
+        verbs::memory_region mr_out(c.pd(), out), mr_in(s.pd(), in);
+        auto r = s.recv(local_buffer(mr_in, in));
+        r.post();
+        result<ibv_wc> sent = co_await nothrow(c.send(local_buffer(mr_out, out)));
+        CHECK(sent.ok());
+        result<ibv_wc> got = co_await nothrow(r);
+        REQUIRE(got.ok());
+        CHECK(got->byte_len == 256);
+        CHECK(in == out);
+        // Last: a receive that times out leaves its QP in error (a request cannot be recalled).
+        result<ibv_wc> late =
+            co_await nothrow(s.recv(local_buffer(mr_in, in), wait_options(100ms)));
+        CHECK(late.error() == std::errc::timed_out);
+        ran = true;
+    };
+    io.run(run());
+    CHECK(ran);
 }
 
 TEST_CASE("addresses connect() cannot use: EINVAL naming ringverbs::connect or the lookup") {
