@@ -207,6 +207,11 @@ class connection {
     std::string receive_failure(ibv_wc_status status) const {
         return failure(request::receive, status);
     }
+    std::string echo_failure(const completion_error& e) const {
+        return ended_mid_send(request::echo_send, e.status())
+                   ? failure(request::echo_send, e.status())
+                   : std::string("echo send failed: ") + e.what();
+    }
 
   private:
     enum class request { receive, echo_send };
@@ -218,6 +223,7 @@ class connection {
     task<void> close(std::string why);
     task<void> disconnect();
     std::string failure(request failed, ibv_wc_status status) const;
+    bool ended_mid_send(request failed, ibv_wc_status status) const;
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
     qp make_qp();
 
@@ -400,9 +406,18 @@ void connection::fail(std::string why) {
     ending_.request_stop();
 }
 
+// iWARP: a send the device was transmitting when the client's end of the connection came
+// completes with LOC_QP_OP_ERR, not a flush (siw; README, iWARP notes).
+bool connection::ended_mid_send(request failed, ibv_wc_status status) const {
+    return failed == request::echo_send && status == IBV_WC_LOC_QP_OP_ERR &&
+           id_.native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
+}
+
 // What a failed completion says about the connection.
 std::string connection::failure(request failed, ibv_wc_status status) const {
     if (status == IBV_WC_WR_FLUSH_ERR && id_.is_disconnected()) return "the client disconnected";
+    if (ended_mid_send(failed, status))
+        return "the client disconnected (an echo was cut off in flight)";
     // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
     if (failed == request::receive &&
         (status == IBV_WC_LOC_LEN_ERR || status == IBV_WC_LOC_QP_OP_ERR))
@@ -526,6 +541,7 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         if (c == nullptr || c->closing()) continue; // its connection is gone or going: dropped
         c->received();
         std::string echo_failed;
+        std::optional<completion_error> cut_off;
         ++shared.sending;
         try {
             ibv_wc sent = co_await c->echo(buffer(received.byte_len));
@@ -535,13 +551,17 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
             // connection): on iWARP the QP fails as the client's TCP stream ends, before the
             // DISCONNECTED event says so.
             echo_failed = "the client disconnected";
+        } catch (const completion_error& e) {
+            cut_off = e; // named by its connection, if it is still there
         } catch (const std::exception& e) {
             echo_failed = std::string("echo send failed: ") + e.what();
         }
         --shared.sending;
         // The connection may have closed (and gone) meanwhile: look it up again.
         if (connection* again = find(received.qp_num)) {
-            if (echo_failed.empty())
+            if (cut_off)
+                again->fail(again->echo_failure(*cut_off));
+            else if (echo_failed.empty())
                 again->echoed(received.byte_len);
             else
                 again->fail(std::move(echo_failed));
