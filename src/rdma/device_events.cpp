@@ -225,11 +225,6 @@ void apply_srq_event(detail::srq_state& s, ibv_event_type type) noexcept {
     else
         s.failed();
 }
-void apply_qp_error(detail::qp_state& q, ibv_event_type type) noexcept {
-    q.async_failed = true;
-    q.async_error = type;
-    q.to_error();
-}
 
 } // namespace
 
@@ -271,7 +266,7 @@ void device_events::state::route(async_event& e) noexcept {
                         e.type == IBV_EVENT_QP_ACCESS_ERR)) {
         detail::with_object(e.qp, [&](detail::qp_state& q, std::uint64_t generation) {
             e.routed = deliver(e.qp, q, *q.send_cq->channel->ctx, generation,
-                               [type = e.type](detail::qp_state& x) { apply_qp_error(x, type); });
+                               [](detail::qp_state& x) { x.to_error(); });
         });
     }
 }

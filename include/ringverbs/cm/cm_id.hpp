@@ -87,10 +87,10 @@ struct cm_conn_options {
 };
 
 // Owns an rdma_cm_id (RDMA_PS_TCP, reliable connected) on a cm_channel. A connecting id goes
-//   co_await id.resolve_addr(dst); co_await id.resolve_route(); qp q(id, pd, cq, cq);
+//   co_await id.resolve_addr(dst); co_await id.resolve_route(); qp q = id.make_qp(pd, cq, cq);
 //   co_await id.connect(private_data);
 // a listening one
-//   id.listen(addr); cm_id c = co_await id.accept(); qp q(c, pd, cq, cq);
+//   id.listen(addr); cm_id c = co_await id.accept(); qp q = c.make_qp(pd, cq, cq);
 //   co_await c.accept_connection(private_data);
 // and either side ends with co_await disconnect(), the other learning it from
 // co_await disconnected(). When the peer disconnects (or its process dies), the id answers at

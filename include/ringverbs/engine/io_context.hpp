@@ -48,7 +48,7 @@ class wait_options {
     std::stop_token stop;                          // default: cannot be stopped
 };
 
-// What the loop met under pressure (diagnostics; tests/runtime/soak_test.cpp counts them).
+// What the loop met under pressure (diagnostics; tests/rdma/soak_test.cpp counts them).
 struct io_context_counters {
     // get_sqe() found the submission ring too full and submitted first.
     std::uint64_t sq_full = 0;

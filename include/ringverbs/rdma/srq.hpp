@@ -1,6 +1,6 @@
-// srq: a shared receive queue. Many QPs (made with qp_options::srq, or cm_id::make_qp with it)
-// take their receives from one pool, so registered memory grows with the traffic, not with the
-// number of connections.
+// srq: a shared receive queue. Many QPs (made with qp_options::shared_receive_queue, or
+// cm_id::make_qp with it) take their receives from one pool, so registered memory grows with the
+// traffic, not with the number of connections.
 #pragma once
 
 #include <ringverbs/config.hpp>

@@ -1,5 +1,5 @@
-// waiter: a coroutine queued on a source of events (a multishot poll stream; later a CQ's
-// next()), with an optional deadline and stop_token.
+// waiter: a coroutine queued on a source of events (a multishot poll stream, a CQ's next(), an
+// rdma_cm id, device events), with an optional deadline and stop_token.
 #pragma once
 
 #include <ringverbs/config.hpp>

@@ -245,9 +245,6 @@ struct qp_state {
         if (iwarp_connection && !in_error && !request_failed) connection_closed = true;
         return connection_closed;
     }
-    // An async error event named this QP (device_events): QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
-    bool async_failed = false;
-    ibv_event_type async_error{};
     sink_op sink;
     std::size_t sink_outstanding = 0;  // forced-signaled requests owed a completion
     std::uint32_t signal_interval = 1; // at least one signaled in this many unsignaled
