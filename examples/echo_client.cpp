@@ -576,7 +576,7 @@ int main(int argc, char** argv) {
             "%d connection(s), %u bytes each, %u in flight, %s mode\n",
             static_cast<unsigned long long>(cl.verified), static_cast<unsigned long long>(want),
             static_cast<unsigned long long>(cl.verified * cfg.size), cfg.clients, cfg.size,
-            cfg.inflight, echo::mode_name(cfg.mode));
+            cfg.inflight, to_string(cfg.mode));
         std::printf("echo_client: %.0f messages/s, %.2f MB/s each way; round trip p50 %.1f us, p99 "
                     "%.1f us, p99.9 %.1f us\n",
                     rate, rate * cfg.size / 1e6, pct(0.50), pct(0.99), pct(0.999));
@@ -603,7 +603,7 @@ int main(int argc, char** argv) {
                         "\"connect_concurrency\": %d, \"connect_p50_ms\": %.2f, "
                         "\"connect_p99_ms\": %.2f, \"connect_retries\": %d, "
                         "\"connect_failures\": {%s}}\n",
-                        cfg.clients, cfg.size, cfg.inflight, echo::mode_name(cfg.mode),
+                        cfg.clients, cfg.size, cfg.inflight, to_string(cfg.mode),
                         static_cast<unsigned long long>(want),
                         static_cast<unsigned long long>(cl.verified), secs, rate, pct(0.50),
                         pct(0.99), pct(0.999), cl.connected, cfg.connect_concurrency,

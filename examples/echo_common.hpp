@@ -57,16 +57,8 @@ inline unsigned long number(const std::string& flag, const std::string& text, un
 }
 
 inline ringverbs::polling_mode mode_of(const std::string& text) {
-    if (text == "events") return ringverbs::polling_mode::events;
-    if (text == "hybrid") return ringverbs::polling_mode::hybrid;
-    if (text == "busy") return ringverbs::polling_mode::busy;
+    if (auto m = ringverbs::parse_polling_mode(text)) return *m;
     throw usage_error("--mode wants events, hybrid or busy, not '" + text + "'");
-}
-
-inline const char* mode_name(ringverbs::polling_mode m) {
-    return m == ringverbs::polling_mode::busy     ? "busy"
-           : m == ringverbs::polling_mode::hybrid ? "hybrid"
-                                                  : "events";
 }
 
 // A numeric IPv4 or IPv6 address and a port (rdma_cm resolves addresses, not names).

@@ -878,7 +878,7 @@ cm_id listen_on(echo_server& server, const sockaddr_storage& address) {
     std::printf("echo_server: listening on %s (messages up to %u bytes, %s, %s mode; connections "
                 "at most %s, closed when idle %s; %u thread(s))\n",
                 echo::text_of(at).c_str(), options.max_size, receives.c_str(),
-                echo::mode_name(options.mode), most.c_str(), idle.c_str(), options.threads);
+                to_string(options.mode), most.c_str(), idle.c_str(), options.threads);
     std::fflush(stdout);
     return listener;
 }

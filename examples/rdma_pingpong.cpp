@@ -36,10 +36,8 @@ int main(int argc, char** argv) {
             messages = std::stoi(v);
         else if (a == "--size")
             size = std::stoul(v);
-        else if (a == "--mode")
-            mode = v == "busy"     ? polling_mode::busy
-                   : v == "hybrid" ? polling_mode::hybrid
-                                   : polling_mode::events;
+        else if (a == "--mode" && parse_polling_mode(v))
+            mode = *parse_polling_mode(v);
         else {
             std::fprintf(stderr, "usage: rdma_pingpong [--device NAME] [--messages N] [--size "
                                  "BYTES] [--mode events|busy|hybrid]\n");
@@ -129,13 +127,10 @@ int main(int argc, char** argv) {
         auto pct = [&](double p) {
             return rtt_us[static_cast<std::size_t>(p * static_cast<double>(rtt_us.size() - 1))];
         };
-        const char* mode_name = mode == polling_mode::busy     ? "busy"
-                                : mode == polling_mode::hybrid ? "hybrid"
-                                                               : "events";
         std::printf("rdma_pingpong on %.*s (%s mode): %ld of %d messages of %zu bytes echoed and "
                     "verified byte for byte\n",
-                    static_cast<int>(dev.name().size()), dev.name().data(), mode_name, verified,
-                    messages, size);
+                    static_cast<int>(dev.name().size()), dev.name().data(), to_string(mode),
+                    verified, messages, size);
         std::printf("rdma_pingpong: %.0f round trips/s, round trip p50 %.1f us, p99 %.1f us\n",
                     static_cast<double>(messages) / secs, pct(0.50), pct(0.99));
         const channel_counters& c = ch.counters();

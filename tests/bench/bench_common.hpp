@@ -60,32 +60,15 @@ struct common_options {
     std::uint8_t port = 1;
 };
 
-inline const char* mode_name(polling_mode m) {
-    switch (m) {
-    case polling_mode::events:
-        return "events";
-    case polling_mode::busy:
-        return "busy";
-    case polling_mode::hybrid:
-        return "hybrid";
-    }
-    return "?";
-}
-
 // One NAME VALUE pair of the command line, when it is a common option: sets it and returns
 // true; calls usage() on a bad --mode. A number that does not parse throws, as std::stol does.
 inline bool parse_common_option(std::string_view name, const std::string& value, common_options& o,
                                 void (*usage)()) {
     auto num = [&] { return std::stol(value); };
     if (name == "--mode") {
-        if (value == "events")
-            o.mode = polling_mode::events;
-        else if (value == "busy")
-            o.mode = polling_mode::busy;
-        else if (value == "hybrid")
-            o.mode = polling_mode::hybrid;
-        else
-            usage();
+        const auto m = ringverbs::parse_polling_mode(value);
+        if (!m) usage();
+        o.mode = *m;
     } else if (name == "--iters")
         o.iters = num();
     else if (name == "--warmup")

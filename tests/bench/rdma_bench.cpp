@@ -909,7 +909,7 @@ int main(int argc, char** argv) {
     }
     if (rc != 0) {
         std::fprintf(stderr, "rdma_bench: %s %s failed\n",
-                     cfg.test == test_kind::lat ? "lat" : "rate", bench::mode_name(cfg.mode));
+                     cfg.test == test_kind::lat ? "lat" : "rate", to_string(cfg.mode));
         return 1;
     }
 
@@ -917,7 +917,7 @@ int main(int argc, char** argv) {
     const double per_msg = static_cast<double>(allocs) / static_cast<double>(cfg.iters);
     std::printf("{\n");
     std::printf("  \"test\": \"%s\",\n  \"mode\": \"%s\",\n",
-                cfg.test == test_kind::lat ? "lat" : "rate", bench::mode_name(cfg.mode));
+                cfg.test == test_kind::lat ? "lat" : "rate", to_string(cfg.mode));
     std::printf("  \"bytes\": %u,\n  \"iters\": %ld,\n  \"warmup\": %ld,\n  \"inline\": %s,\n",
                 cfg.size, cfg.iters, cfg.warmup, cfg.inline_data ? "true" : "false");
     std::printf("  \"solicited\": %s,\n", cfg.solicited ? "true" : "false");

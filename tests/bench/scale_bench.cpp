@@ -359,13 +359,13 @@ int main_rate(const config& cfg) {
     });
     if (rc != 0) {
         std::fprintf(stderr, "scale_bench: rate --qps %u --mode %s --cq %s failed\n", cfg.qps,
-                     bench::mode_name(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
+                     to_string(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
         return 1;
     }
     const std::uint64_t allocs = cst.allocations + sst.allocations;
     std::printf(
         "{\n  \"test\": \"rate\",\n  \"qps\": %u,\n  \"mode\": \"%s\",\n  \"cq\": \"%s\",\n",
-        cfg.qps, bench::mode_name(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
+        cfg.qps, to_string(cfg.mode), cfg.shared_cq ? "shared" : "per_qp");
     std::printf("  \"bytes\": %u,\n  \"window_per_qp\": %u,\n  \"chain\": %u,\n  "
                 "\"recv_depth_per_qp\": %u,\n",
                 cfg.size, cfg.window, cfg.chain, cfg.recv_depth);
@@ -548,7 +548,7 @@ int main_cqs(const config& cfg) {
         }
         const std::size_t measured = s.bursts.size() - 1;
         const double per_burst = static_cast<double>(delivered) / static_cast<double>(measured);
-        std::printf("{\n  \"test\": \"cqs\",\n  \"mode\": \"%s\",\n", bench::mode_name(cfg.mode));
+        std::printf("{\n  \"test\": \"cqs\",\n  \"mode\": \"%s\",\n", to_string(cfg.mode));
         std::printf("  \"cqs\": %u,\n  \"cq_entries\": %d,\n  \"cq_capacity\": %d,\n", cfg.count,
                     cfg.entries, s.cqs.front().capacity());
         std::printf("  \"qps\": %zu,\n  \"busy_cqs\": %zu,\n", s.qps.size(), 2 * s.qps.size());

@@ -9,6 +9,7 @@
 #include <barrier>
 #include <chrono>
 #include <random>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -29,6 +30,15 @@ task<bool> exchange(qp& a, qp& b, region& out, region& in, std::size_t off, std:
 }
 
 } // namespace
+
+// polling_mode's names, one parser for every command line (checked when this file compiles).
+static_assert(std::string_view(to_string(polling_mode::events)) == "events");
+static_assert(std::string_view(to_string(polling_mode::busy)) == "busy");
+static_assert(std::string_view(to_string(polling_mode::hybrid)) == "hybrid");
+static_assert(parse_polling_mode("busy") == polling_mode::busy);
+static_assert(parse_polling_mode("hybrid") == polling_mode::hybrid);
+static_assert(parse_polling_mode("events") == polling_mode::events);
+static_assert(!parse_polling_mode("Busy").has_value() && !parse_polling_mode("").has_value());
 
 TEST_CASE("64 CQs on one channel with interleaved traffic: every completion accounted for") {
     device dev;

@@ -6,6 +6,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 namespace ringverbs {
 
@@ -16,6 +18,27 @@ enum class polling_mode {
     hybrid, // after a completion keep polling for channel_options::hybrid_spin (adaptive up to
             // hybrid_spin_max), then arm and sleep
 };
+
+// The mode's name: "events", "busy" or "hybrid".
+constexpr const char* to_string(polling_mode m) noexcept {
+    switch (m) {
+    case polling_mode::busy:
+        return "busy";
+    case polling_mode::hybrid:
+        return "hybrid";
+    case polling_mode::events:
+        break;
+    }
+    return "events";
+}
+
+// The mode a name stands for ("events", "busy", "hybrid", as to_string gives them), or
+// std::nullopt for any other text.
+constexpr std::optional<polling_mode> parse_polling_mode(std::string_view name) noexcept {
+    for (polling_mode m : {polling_mode::events, polling_mode::busy, polling_mode::hybrid})
+        if (name == to_string(m)) return m;
+    return std::nullopt;
+}
 
 struct channel_options {
     // When several channels of one io_context have completions in the same loop turn, the
