@@ -66,6 +66,35 @@ struct counted {
     int await_resume() { return ++resumes; }
 };
 
+// Awaitables that fail in await_ready or await_suspend, as ringverbs' own do when a post fails.
+struct fails_when_ready {
+    bool await_ready() { throw std::system_error(ENOMEM, std::system_category(), "ibv_post_send"); }
+    void await_suspend(std::coroutine_handle<>) {}
+    int await_resume() { return 1; }
+};
+struct fails_when_suspending { // void form
+    bool await_ready() { return false; }
+    void await_suspend(std::coroutine_handle<>) {
+        throw std::system_error(ENODEV, std::system_category(), "ibv_post_srq_recv");
+    }
+    int await_resume() { return 1; }
+};
+struct fails_when_handing_over { // symmetric transfer form
+    bool await_ready() { return false; }
+    std::coroutine_handle<> await_suspend(std::coroutine_handle<>) {
+        throw std::system_error(EAGAIN, std::system_category(), "io_uring_submit");
+    }
+    void await_resume() {}
+};
+
+task<result<int>> made_elsewhere_and_returned() {
+    co_return co_await nothrow(seven());
+}
+
+auto wrapped_seven() {
+    return nothrow(seven()); // the task is moved into what nothrow returns
+}
+
 } // namespace
 
 TEST_CASE("a value: ok(), operator*, value(), no error, empty what()") {
@@ -154,6 +183,37 @@ TEST_CASE("std::bad_alloc becomes errc::not_enough_memory; any other exception p
     io.run(body());
 }
 
+TEST_CASE("a failure thrown by await_ready or await_suspend (a post that fails) is a result "
+          "too, and the coroutine goes on at once") {
+    io_context io;
+    auto body = [&]() -> task<void> {
+        auto a = co_await nothrow(fails_when_ready{});
+        CHECK(a.error() == std::errc::not_enough_memory);
+        CHECK(std::string(a.what()).find("ibv_post_send") != std::string::npos);
+        auto b = co_await nothrow(fails_when_suspending{});
+        CHECK(b.error() == std::errc::no_such_device);
+        auto c = co_await nothrow(fails_when_handing_over{});
+        CHECK(c.error() == std::errc::resource_unavailable_try_again);
+        CHECK_THROWS_AS(c.value(), std::system_error);
+    };
+    io.run(body());
+}
+
+TEST_CASE("a task (movable) is moved into what nothrow returns: it may be kept, returned and "
+          "awaited later") {
+    io_context io;
+    auto body = [&]() -> task<void> {
+        auto kept = nothrow(seven());
+        auto r = co_await std::move(kept);
+        CHECK(*r == 7);
+        auto w = co_await wrapped_seven();
+        CHECK(*w == 7);
+        auto m = co_await made_elsewhere_and_returned();
+        CHECK(*m == 7);
+    };
+    io.run(body());
+}
+
 TEST_CASE("an lvalue awaitable is used in place; every step is forwarded") {
     io_context io;
     counted c;
@@ -167,8 +227,9 @@ TEST_CASE("an lvalue awaitable is used in place; every step is forwarded") {
     CHECK(c.resumes == 1);
 }
 
-// `auto n = nothrow(aw); co_await n;` does not compile (n could outlive a temporary awaitable);
-// `co_await nothrow(aw)` does.
+// `auto n = nothrow(aw); co_await n;` does not compile (what nothrow returns is awaited once,
+// as an rvalue); `co_await nothrow(aw)` does. An lvalue or an awaitable that cannot move is
+// referred to, a movable one (a task) owned: the test above awaits one later.
 template <typename T, typename = void>
 struct awaitable_as_lvalue : std::false_type {};
 template <typename T>

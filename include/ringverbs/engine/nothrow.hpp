@@ -135,6 +135,9 @@ decltype(auto) awaiter_of(A&& a) {
 
 // The awaiter of `co_await nothrow(a)`. A: the awaitable's type, a reference for an lvalue.
 // Holds a's own awaiter (what operator co_await made) or a pointer to a, when a is its own.
+// A failure thrown by any of the three steps (ringverbs' awaits post in await_ready or
+// await_suspend and may fail there) is kept and given by await_resume; the coroutine is then
+// resumed at once, as a plain co_await resumes it to rethrow.
 template <typename A>
 class nothrow_awaiter {
     using awaiter_type = decltype(awaiter_of(std::declval<A>()));
@@ -148,12 +151,44 @@ class nothrow_awaiter {
     nothrow_awaiter(const nothrow_awaiter&) = delete;
     nothrow_awaiter& operator=(const nothrow_awaiter&) = delete;
 
-    bool await_ready() { return static_cast<bool>(inner().await_ready()); }
+    bool await_ready() {
+        try {
+            return static_cast<bool>(inner().await_ready());
+        } catch (...) {
+            keep_failure();
+            return true; // await_resume gives it
+        }
+    }
+    // The inner await_suspend's form, except that void becomes bool (false: it failed).
     template <typename P>
-    decltype(auto) await_suspend(std::coroutine_handle<P> h) {
-        return inner().await_suspend(h);
+    auto await_suspend(std::coroutine_handle<P> h) {
+        using R = decltype(inner().await_suspend(h));
+        if constexpr (std::is_void_v<R>) {
+            try {
+                inner().await_suspend(h);
+                return true;
+            } catch (...) {
+                keep_failure();
+                return false;
+            }
+        } else if constexpr (std::is_same_v<R, bool>) {
+            try {
+                return static_cast<bool>(inner().await_suspend(h));
+            } catch (...) {
+                keep_failure();
+                return false;
+            }
+        } else {
+            try {
+                return std::coroutine_handle<>(inner().await_suspend(h));
+            } catch (...) {
+                keep_failure();
+                return std::coroutine_handle<>(h);
+            }
+        }
     }
     result<value_type> await_resume() {
+        if (failure_) return result<value_type>(error_, std::move(failure_));
         try {
             if constexpr (std::is_void_v<value_type>) {
                 inner().await_resume();
@@ -161,15 +196,26 @@ class nothrow_awaiter {
             } else {
                 return result<value_type>(std::in_place, inner().await_resume());
             }
-        } catch (const std::system_error& e) {
-            return result<value_type>(e.code(), std::current_exception());
-        } catch (const std::bad_alloc&) {
-            return result<value_type>(std::make_error_code(std::errc::not_enough_memory),
-                                      std::current_exception());
+        } catch (...) {
+            keep_failure();
+            return result<value_type>(error_, std::move(failure_));
         }
     }
 
   private:
+    // In a handler: keeps a std::system_error (or std::bad_alloc, as errc::not_enough_memory);
+    // rethrows anything else.
+    void keep_failure() {
+        try {
+            throw;
+        } catch (const std::system_error& e) {
+            error_ = e.code();
+            failure_ = std::current_exception();
+        } catch (const std::bad_alloc&) {
+            error_ = std::make_error_code(std::errc::not_enough_memory);
+            failure_ = std::current_exception();
+        }
+    }
     static stored make(A&& a) {
         if constexpr (own_awaiter)
             return &a;
@@ -184,29 +230,50 @@ class nothrow_awaiter {
     }
 
     stored inner_;
+    std::error_code error_;
+    std::exception_ptr failure_;
 };
 
-// What nothrow() returns: a reference to the awaitable, awaitable once and only where it is
-// made (`co_await nothrow(aw)`: its operator co_await takes an rvalue), so that the awaitable,
-// a temporary of that full expression or the caller's lvalue, outlives the await.
+// What nothrow() returns, awaitable once, as an rvalue. A movable rvalue awaitable (a task, what
+// when_all gives) is moved in and lives as long as this object; an lvalue, or an awaitable that
+// cannot move (ringverbs' own: sleep_for, a qp's request, cq::next, ...), is referred to and
+// must outlive the await: `co_await nothrow(aw)` in one expression, where the temporary does.
 template <typename A>
 class nothrow_awaitable {
+    static constexpr bool owns = !std::is_reference_v<A> && std::is_move_constructible_v<A>;
+    using held = std::conditional_t<owns, A, std::remove_reference_t<A>*>;
+
   public:
-    explicit nothrow_awaitable(A&& a) noexcept : aw_(&a) {}
+    explicit nothrow_awaitable(A&& a) : aw_(hold(static_cast<A&&>(a))) {}
     nothrow_awaitable(const nothrow_awaitable&) = delete;
     nothrow_awaitable& operator=(const nothrow_awaitable&) = delete;
 
-    nothrow_awaiter<A> operator co_await() && { return nothrow_awaiter<A>(static_cast<A&&>(*aw_)); }
+    nothrow_awaiter<A> operator co_await() && {
+        return nothrow_awaiter<A>(static_cast<A&&>(get()));
+    }
 
   private:
-    std::remove_reference_t<A>* aw_;
+    static held hold(A&& a) {
+        if constexpr (owns)
+            return held(static_cast<A&&>(a));
+        else
+            return &a;
+    }
+    std::remove_reference_t<A>& get() noexcept {
+        if constexpr (owns)
+            return aw_;
+        else
+            return *aw_;
+    }
+
+    held aw_;
 };
 
 } // namespace detail
 
 // co_await nothrow(aw): aw's value as a result<T>, its system_error as the result's failure.
-// Await it in the expression that makes it (`auto n = nothrow(aw); co_await n;` does not
-// compile): the awaitable is referred to, not moved (ringverbs' awaitables do not move).
+// Await it in the expression that makes it: ringverbs' own awaitables do not move, so the
+// returned object refers to them (`auto n = nothrow(aw); co_await n;` does not compile).
 template <typename A>
 detail::nothrow_awaitable<A> nothrow(A&& aw) {
     return detail::nothrow_awaitable<A>(static_cast<A&&>(aw));
