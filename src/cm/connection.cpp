@@ -506,8 +506,10 @@ void reject_busy(listener::state& s, cm_id& request, const std::string& from, co
 }
 
 // Whether the kernel gave this request up (the peer rejected, disconnected or went after
-// sending it): its id then refuses what a live request allows, a QP's attributes for INIT
-// (EINVAL; IB CM and iWARP CM alike).
+// sending it): its IB CM id then refuses what a live request allows, a QP's attributes for
+// INIT (EINVAL; ib_cm's init_qp_attr outside REQ_SENT..ESTABLISHED). The iWARP CM answers
+// them in IDLE too, so there this says false; a peer gone before the accept shows there as
+// rdma_accept's ECONNRESET (handshake()).
 bool request_withdrawn(const cm_id& id) {
     rdma_cm_id* raw = id.native();
     if (raw == nullptr) return true;
@@ -533,8 +535,14 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
             co_await p->id.accept_connection(
                 s->private_data, wait_options(s->options.step_timeout, s->stop.get_token()),
                 s->options.conn);
+        } catch (const std::system_error& e) {
+            // Refused before the answer went out: our options (the peer has not seen a REP);
+            // unless the connection was reset (siw: rdma_accept of a request whose peer closed
+            // its TCP stream fails ECONNRESET), which is the peer's doing.
+            ours = p->id.awaiting_answer() && e.code() != std::errc::connection_reset &&
+                   e.code() != std::errc::connection_aborted;
+            throw;
         } catch (...) {
-            // Refused before the answer went out: our options (the peer has not seen a REP).
             ours = p->id.awaiting_answer();
             throw;
         }
