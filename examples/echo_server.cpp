@@ -207,10 +207,12 @@ class connection {
     std::string receive_failure(ibv_wc_status status) const {
         return failure(request::receive, status);
     }
-    std::string echo_failure(const completion_error& e) const {
-        return ended_mid_send(request::echo_send, e.status())
-                   ? failure(request::echo_send, e.status())
-                   : std::string("echo send failed: ") + e.what();
+    // An echo's failed completion: fail(), or cut_off() for one the client's end may explain.
+    void echo_failed(const completion_error& e) {
+        if (ended_mid_send(request::echo_send, e.status()))
+            cut_off(failure(request::echo_send, e.status()));
+        else
+            fail(std::string("echo send failed: ") + e.what());
     }
 
   private:
@@ -224,6 +226,7 @@ class connection {
     task<void> disconnect();
     std::string failure(request failed, ibv_wc_status status) const;
     bool ended_mid_send(request failed, ibv_wc_status status) const;
+    void cut_off(std::string why);
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
     qp make_qp();
 
@@ -243,6 +246,7 @@ class connection {
     std::stop_source
         ending_; // requested by close() and fail(): ends the idle and disconnect watches
     std::optional<std::string> failure_; // fail()'s reason
+    bool cut_off_ = false; // failure_ is an echo cut off in flight: the client's end, if it came
     // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the
     // watches (and watch_disconnect closes the connection).
     struct request_stop_of {
@@ -338,6 +342,10 @@ task<void> connection::echo_loop(std::uint32_t slot) {
         why = "the client disconnected";
     } catch (const completion_error& e) {
         why = failure(current, e.status());
+        if (ended_mid_send(current, e.status())) {
+            cut_off(std::move(why)); // the disconnect watch closes, naming what it was
+            co_return;
+        }
     } catch (const std::system_error& e) {
         // The bounded flush (qp_options::flush_timeout) ended it: the device never flushed it.
         if (closing_ && e.code() == std::errc::io_error) ++never_flushed_;
@@ -373,6 +381,14 @@ task<void> connection::watch_disconnect() {
     } catch (const std::system_error&) {
         gone = false; // closed, or failed, first (operation_canceled)
     }
+    if (!gone && cut_off_ && !closing_) {
+        // An echo cut off in flight (iWARP): the client's end if its DISCONNECTED comes soon.
+        const wait_options grace(2s);
+        if ((co_await nothrow(id_.disconnected(grace))).ok()) {
+            co_await close("the client disconnected (an echo was cut off in flight)");
+            co_return;
+        }
+    }
     if (gone && !device_.shared) {
         // Its own receives say why first: a failure the client caused (an oversized message)
         // sits in the CQ before the flushes. Moving the QP to error arms the bound on them, so
@@ -407,17 +423,24 @@ void connection::fail(std::string why) {
 }
 
 // iWARP: a send the device was transmitting when the client's end of the connection came
-// completes with LOC_QP_OP_ERR, not a flush (siw; README, iWARP notes).
+// completes with LOC_QP_OP_ERR, not a flush (siw; README, iWARP notes). siw gives that status to
+// any failed send too, so it is the client's end only if DISCONNECTED follows (cut_off()).
 bool connection::ended_mid_send(request failed, ibv_wc_status status) const {
     return failed == request::echo_send && status == IBV_WC_LOC_QP_OP_ERR &&
            id_.native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
 }
 
+// fail(), for a failure that the client's end of the connection may explain: the disconnect
+// watch then waits a moment for DISCONNECTED and names whichever it was.
+void connection::cut_off(std::string why) {
+    if (closing_ || failure_) return;
+    cut_off_ = true;
+    fail(std::move(why));
+}
+
 // What a failed completion says about the connection.
 std::string connection::failure(request failed, ibv_wc_status status) const {
     if (status == IBV_WC_WR_FLUSH_ERR && id_.is_disconnected()) return "the client disconnected";
-    if (ended_mid_send(failed, status))
-        return "the client disconnected (an echo was cut off in flight)";
     // A receive too small for the message: LOC_LEN_ERR, or LOC_QP_OP_ERR on rxe.
     if (failed == request::receive &&
         (status == IBV_WC_LOC_LEN_ERR || status == IBV_WC_LOC_QP_OP_ERR))
@@ -560,7 +583,7 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         // The connection may have closed (and gone) meanwhile: look it up again.
         if (connection* again = find(received.qp_num)) {
             if (cut_off)
-                again->fail(again->echo_failure(*cut_off));
+                again->echo_failed(*cut_off);
             else if (echo_failed.empty())
                 again->echoed(received.byte_len);
             else
