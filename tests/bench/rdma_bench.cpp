@@ -25,7 +25,9 @@
 //   ib_send_lat -e. --raw 1 runs the same ping-pong with plain verbs and no runtime at all
 //   (busy or events), the floor of this harness. --samples FILE (client) also writes every
 //   half round trip those statistics come from (the timed iterations only, in microseconds,
-//   one a line, in the order measured) to FILE, after the run and its report.
+//   one a line, in the order measured) to FILE, after the run and its report. --stats 0
+//   reports no percentiles: their sorting, after the run, grows faster than the run
+//   (tools/bench-cost counts instructions without it).
 // rate: the client keeps --window sends in flight as post_send chains of --chain requests (the
 //   last one signaled: selective signaling), the server keeps --recv-depth receives posted as
 //   post_recv chains. Messages per second are counted at the sender between the completion of
@@ -113,6 +115,7 @@ struct config : bench::common_options {
     std::string listen;  // ADDR:PORT: the server alone, across hosts
     std::string connect; // ADDR:PORT: the client alone, across hosts
     std::string samples; // lat: FILE for every half round trip (us), written after the run
+    bool stats = true;   // lat: the percentiles (--stats 0: none, for tools/bench-cost's counts)
 };
 
 [[noreturn]] void usage() {
@@ -124,7 +127,7 @@ struct config : bench::common_options {
                  "         [--hybrid-spin-max-us N]\n"
                  "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
                  "         [--ring defer|coop] [--raw 0|1] [--raw-wait read|uring]\n"
-                 "         [--timeout SECONDS]\n"
+                 "         [--timeout SECONDS] [--stats 0|1]\n"
                  "         [--listen ADDR:PORT | --connect ADDR:PORT] [--samples FILE (lat)]\n");
     std::exit(2);
 }
@@ -174,6 +177,8 @@ bool parse_option(config& c, std::string_view a, const std::string& v) {
         c.ack_batch = static_cast<unsigned>(num());
     else if (a == "--poll-batch")
         c.poll_batch = static_cast<unsigned>(num());
+    else if (a == "--stats")
+        c.stats = num() != 0;
     else if (a == "--raw")
         c.raw = num() != 0;
     else if (a == "--raw-wait") {
@@ -931,6 +936,8 @@ int main(int argc, char** argv) {
         double sum = 0;
         for (double x : samples)
             sum += x;
+        // --stats 0: no sorting after the run, whose cost grows faster than the run's.
+        if (!cfg.stats) samples.assign(1, 0.0);
         std::printf("  \"unit\": \"us, half a round trip (as ib_send_lat)\",\n");
         std::printf("  \"typical_us\": %.3f,\n  \"avg_us\": %.3f,\n  \"min_us\": %.3f,\n",
                     percentile(samples, 0.5), sum / static_cast<double>(samples.size()),

@@ -46,7 +46,7 @@ def say(text):
 
 # mode -> series -> (program kind, extra arguments, whether instructions are counted)
 def series(bin_path):
-    ours = lambda *a: ("ours", [bin_path, "lat", "--timeout", "900", *a])
+    ours = lambda *a: ("ours", [bin_path, "lat", "--timeout", "900", "--stats", "0", *a])
     return {
         "events": {
             "ours": (*ours("--mode", "events"), True),
@@ -112,15 +112,14 @@ def callgrind_total(kind, cmd, iters):
         run_ours(cmd, iters, wrap("run"), 1800)
     total = 0
     files = glob.glob(f"{d}/*")
-    for f in files:
-        with open(f) as fh:
-            for line in fh:
-                m = re.match(r"(?:summary|totals):\s+(\d+)", line)
-                if m:
-                    total += int(m.group(1))
-                    break
     if len(files) < 2:
         raise RuntimeError(f"callgrind wrote {len(files)} profile(s), not one per process")
+    for f in files:
+        with open(f) as fh:
+            counts = [int(m.group(1)) for m in (re.match(r"(?:summary|totals):\s+(\d+)", l) for l in fh) if m]
+        if not counts or counts[0] <= 0:
+            raise RuntimeError(f"{f}: no instruction total in the callgrind profile")
+        total += counts[0]
     return total
 
 
@@ -150,6 +149,8 @@ def main():
     ap.add_argument("--long", type=int, default=600)
     ap.add_argument("--modes", default="events,busy,hybrid")
     a = ap.parse_args()
+    if not 0 < a.short < a.long:
+        ap.error("--short and --long: 0 < short < long")
     if not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
         say("no RDMA device: SKIP")
         return 77
@@ -194,15 +195,15 @@ def main():
             budget = json.load(f)
         result["budget"] = budget
         for mode, per in budget.items():
-            if mode.startswith("_"):
-                continue
+            if mode.startswith("_") or mode not in a.modes.split(","):
+                continue  # a comment, or a mode not measured in this run (--modes)
             for name, limits in per.items():
                 got = result.get(mode, {}).get(name)
                 for what, limit in limits.items():
                     if what.startswith("_"):
                         continue
                     value = got.get(what) if got else None
-                    if value is None or value > limit:
+                    if value is None or value <= 0 or value > limit:  # missing or implausible: fail
                         over.append(f"{mode}/{name} {what}: {value} (budget {limit})")
         result["over_budget"] = over
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
