@@ -702,6 +702,21 @@ std::atomic<std::uint16_t> create_qp_port{0}; // the listener whose requests the
 std::atomic<int> create_qp_taken{0};          // requests the hooks took (from 1 left: once)
 std::optional<silent_peer>* vanishing_peer = nullptr;
 
+// Puts a create_qp hook in place for a scope: the real one is back however the scope ends.
+struct create_qp_hook {
+    explicit create_qp_hook(int (*fn)(rdma_cm_id*, ibv_pd*, ibv_qp_init_attr*) noexcept)
+        : real(detail::rdma_cm_hooks().create_qp.load()) {
+        detail::rdma_cm_hooks().create_qp = fn;
+    }
+    ~create_qp_hook() {
+        detail::rdma_cm_hooks().create_qp = real;
+        vanishing_peer = nullptr;
+    }
+    create_qp_hook(const create_qp_hook&) = delete;
+    create_qp_hook& operator=(const create_qp_hook&) = delete;
+    int (*real)(rdma_cm_id*, ibv_pd*, ibv_qp_init_attr*) noexcept;
+};
+
 bool is_listeners_request(rdma_cm_id* id) {
     return ntohs(rdma_get_src_port(id)) == create_qp_port && create_qp_taken++ == 0;
 }
@@ -750,13 +765,11 @@ TEST_CASE("a request whose peer went before its QP was made is dropped and logge
     io_context io;
     listener l(io, ip + ":0");
     const std::string at = ip + ":" + std::to_string(l.port());
-    auto& hook = detail::rdma_cm_hooks().create_qp;
-    const auto real = hook.load();
     create_qp_port = l.port();
     create_qp_taken = 0;
     std::optional<silent_peer> peer(std::in_place, ip, l.port());
     vanishing_peer = &peer;
-    hook = &create_qp_after_peer_went;
+    const create_qp_hook hook(&create_qp_after_peer_went);
     const diagnostics_sink before = set_diagnostics_sink(keep_line);
     bool served = false;
     auto run = [&]() -> task<void> {
@@ -770,8 +783,6 @@ TEST_CASE("a request whose peer went before its QP was made is dropped and logge
         // Before the fix: accept() threw "rdma_create_qp ...: Invalid argument".
         FAIL(std::string(e.what()));
     }
-    hook = real;
-    vanishing_peer = nullptr;
     set_diagnostics_sink(before);
     CHECK(!peer.has_value()); // the hook made the peer go
     CHECK(served);
@@ -790,11 +801,9 @@ TEST_CASE("rdma_create_qp refusing a live request with EINVAL is the listener's 
     io_context io;
     listener l(io, ip + ":0");
     const std::string at = ip + ":" + std::to_string(l.port());
-    auto& hook = detail::rdma_cm_hooks().create_qp;
-    const auto real = hook.load();
     create_qp_port = l.port();
     create_qp_taken = 0;
-    hook = &create_qp_refused;
+    const create_qp_hook hook(&create_qp_refused);
     bool thrown = false, rejected = false, served = false;
     auto server = [&]() -> task<void> {
         try {
@@ -823,7 +832,6 @@ TEST_CASE("rdma_create_qp refusing a live request with EINVAL is the listener's 
     } catch (const std::exception& e) {
         FAIL(std::string(e.what()));
     }
-    hook = real;
     CHECK(create_qp_taken >= 1);
     CHECK(thrown);
     CHECK(rejected);

@@ -29,6 +29,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -246,7 +247,15 @@ int flood(const sockaddr_in& to, int n, int per_process) {
         for (int i = 0; i < processes; ++i) {
             const int share = std::min(per_process, n - i * per_process);
             const pid_t pid = fork();
-            if (pid < 0) return fail("fork");
+            if (pid < 0) {
+                const int e = errno;
+                for (pid_t child : children) // none of the flood goes on without us
+                    kill(child, SIGKILL);
+                for (pid_t child : children)
+                    waitpid(child, nullptr, 0);
+                errno = e;
+                return fail("fork");
+            }
             if (pid == 0) _exit(flood_share(to, share, *c, false));
             children.push_back(pid);
         }

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 BUILD = sys.argv[1] if len(sys.argv) > 1 else "build"
@@ -98,6 +99,15 @@ def restrack(pid):
     return counts
 
 
+def kill_group(proc):
+    """SIGKILL to the process group `proc` leads (start_new_session), then reaps `proc`."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_case(server, mode, args, named, proof, port):
     log = os.path.join(TMP, f"{server.split()[0]}.{port}.log")
     proc = subprocess.Popen(SERVERS[server](port), stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -114,8 +124,18 @@ def run_case(server, mode, args, named, proof, port):
     time.sleep(1)
     baseline = restrack(proc.pid)
     cmd = [PEER, mode, ADDR, str(port)] + args
-    peer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = peer.stdout.readline()  # "local port N" once its request is out (or its error)
+    # A session of its own: the flood's forked processes go with it (killpg).
+    peer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    # "local port N" once its request is out (or its error), 60 s at most.
+    got = []
+    reader = threading.Thread(target=lambda: got.append(peer.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(60)
+    if reader.is_alive():
+        kill_group(peer)
+        reader.join()
+    first = got[0] if got else ""
     m = re.match(r"local port (\d+)", first)
     peer_port = m.group(1) if m else None
     time.sleep(0.3)
@@ -125,8 +145,8 @@ def run_case(server, mode, args, named, proof, port):
     try:
         peer.wait(timeout=90)
     except subprocess.TimeoutExpired:
-        peer.kill()
-        peer.wait()
+        pass
+    kill_group(peer)  # whatever is left of it (none when it ended well)
     rest = peer.stdout.read()
     alive = proc.poll() is None
     back = False
@@ -179,6 +199,11 @@ def main():
     cases, failed = [], 0
     port = 21400
     servers = os.environ.get("HOSTILE_SERVERS", "").split(",") if os.environ.get("HOSTILE_SERVERS") else None
+    unknown = [m for m in (only or []) if m not in [x[0] for x in MODES]] + \
+        [x for x in (servers or []) if x not in SERVERS]
+    if unknown:
+        print(f"hostile_test: no such mode or server: {unknown}")
+        return 2
     for server in SERVERS:
         if servers and server not in servers:
             continue
