@@ -166,36 +166,31 @@ run_suite engine-gcc build engine
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
 run_suite consumer-gcc build consumer
 run_suite rdma-gcc build "rdma consumer-rdma hostile" vm
-# A hostile peer (tests/examples/hostile_peer.cpp) against each server, next to a good client:
-# its hostile.json, kept as hostile-<run>.json (moved, so that a run without it shows none).
-show_hostile() {
-    if [ -f build/bench-results/hostile.json ]; then
-        echo "hostile.json (build/bench-results/hostile-$1.json):"
-        cat build/bench-results/hostile.json
-        mv build/bench-results/hostile.json "build/bench-results/hostile-$1.json"
+# show_result NAME RUN cp|mv: prints build/bench-results/NAME.json and keeps it as
+# NAME-RUN.json: the soak's faults.json (tests/rdma/soak_test.cpp; copied, README names it) and
+# the hostile peer's hostile.json (tests/examples/hostile_peer.cpp against each server next to
+# a good client; moved, so that a run without it shows none).
+show_result() {
+    local f=build/bench-results/$1.json
+    if [ -f "$f" ]; then
+        echo "$1.json ($f, run $2):"
+        cat "$f"
+        "$3" "$f" "build/bench-results/$1-$2.json"
     fi
 }
-show_hostile 6.1
-# The soak of the rdma suite (tests/rdma/soak_test.cpp) summarises its run here.
-show_faults() {
-    if [ -f build/bench-results/faults.json ]; then
-        echo "faults.json (build/bench-results/faults.json, run $1):"
-        cat build/bench-results/faults.json
-        cp build/bench-results/faults.json "build/bench-results/faults-$1.json"
-    fi
-}
-show_faults 6.1
+show_result hostile 6.1 mv
+show_result faults 6.1 cp
 # The rdma suite again on Debian 13's kernel (6.12), whose rxe differs (sends from a work
 # queue, flushes that 6.1 drops).
 run_suite rdma-gcc-6.12 build rdma vm-6.12
-show_faults 6.12
+show_result faults 6.12 cp
 # The runtime tests (suite 'runtime': tests/verbs, tests/rdma, tests/cm) on a second provider:
 # Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1, the
 # examples' tests and the hostile peer among them. Cases that need InfiniBand/RoCE or what siw
 # lacks are listed as skipped there (or not applicable), with the reason.
 run_suite rdma-gcc-siw build runtime vm-siw
-show_faults siw
-show_hostile siw
+show_result faults siw cp
+show_result hostile siw mv
 # Two guests joined by a virtual link (tools/softroce-vm -n 2): echo across hosts, faults on
 # the link (tests/cluster).
 run_suite cluster-gcc build cluster cluster

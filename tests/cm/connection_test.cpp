@@ -622,6 +622,36 @@ void keep_line(std::string_view line) noexcept {
     }
 }
 
+// Keeps the diagnostics sink's lines while it lives; the previous sink is back after.
+class diagnostics_capture {
+  public:
+    diagnostics_capture() {
+        {
+            const std::lock_guard lock(seen_mutex);
+            seen_lines.clear();
+        }
+        before_ = set_diagnostics_sink(keep_line);
+    }
+    ~diagnostics_capture() { set_diagnostics_sink(before_); }
+    diagnostics_capture(const diagnostics_capture&) = delete;
+    diagnostics_capture& operator=(const diagnostics_capture&) = delete;
+
+    // Whether a line kept so far satisfies `match`; every line goes to the test's log.
+    template <typename Match>
+    bool any(Match match) const {
+        const std::lock_guard lock(seen_mutex);
+        bool found = false;
+        for (const std::string& line : seen_lines) {
+            MESSAGE(line);
+            if (match(line)) found = true;
+        }
+        return found;
+    }
+
+  private:
+    diagnostics_sink before_{};
+};
+
 // A connecting peer whose id has no qp, so that librdmacm hands it the listener's accept (the
 // REP, as CONNECT_RESPONSE) instead of answering it with the RTU; it then rejects that accept.
 // Raw librdmacm, on its own thread (its waits block).
@@ -666,11 +696,7 @@ TEST_CASE("the connecting peer rejects the listener's accept: the drop names rdm
           "rdma_connect" *
           doctest::test_suite(ringverbs::test::ib_roce_only)) {
     const std::string ip = test_addr();
-    {
-        const std::lock_guard lock(seen_mutex);
-        seen_lines.clear();
-    }
-    const diagnostics_sink before = set_diagnostics_sink(keep_line);
+    const diagnostics_capture seen;
     io_context io;
     listener l(io, ip + ":0");
     std::atomic<int> step{0};
@@ -681,19 +707,13 @@ TEST_CASE("the connecting peer rejects the listener's accept: the drop names rdm
     };
     io.run(wait());
     peer.join();
-    set_diagnostics_sink(before);
     CHECK(step == 1);
     CHECK(l.handshakes() == 0);
     CHECK(l.waiting() == 0);
-    const std::lock_guard lock(seen_mutex);
-    bool named = false;
-    for (const std::string& line : seen_lines) {
-        MESSAGE(line);
-        if (contains(line, "dropped") && contains(line, "rdma_accept: rejected") &&
-            !contains(line, "rdma_connect"))
-            named = true;
-    }
-    CHECK(named);
+    CHECK(seen.any([](const std::string& line) {
+        return contains(line, "dropped") && contains(line, "rdma_accept: rejected") &&
+               !contains(line, "rdma_connect");
+    }));
 }
 
 namespace {
@@ -758,10 +778,6 @@ TEST_CASE("a request whose peer went before its QP was made is dropped and logge
           "from accept(); the next client is accepted" *
           doctest::test_suite(ringverbs::test::ib_roce_only)) {
     const std::string ip = test_addr();
-    {
-        const std::lock_guard lock(seen_mutex);
-        seen_lines.clear();
-    }
     io_context io;
     listener l(io, ip + ":0");
     const std::string at = ip + ":" + std::to_string(l.port());
@@ -770,7 +786,7 @@ TEST_CASE("a request whose peer went before its QP was made is dropped and logge
     std::optional<silent_peer> peer(std::in_place, ip, l.port());
     vanishing_peer = &peer;
     const create_qp_hook hook(&create_qp_after_peer_went);
-    const diagnostics_sink before = set_diagnostics_sink(keep_line);
+    const diagnostics_capture seen;
     bool served = false;
     auto run = [&]() -> task<void> {
         auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
@@ -783,16 +799,11 @@ TEST_CASE("a request whose peer went before its QP was made is dropped and logge
         // Before the fix: accept() threw "rdma_create_qp ...: Invalid argument".
         FAIL(std::string(e.what()));
     }
-    set_diagnostics_sink(before);
     CHECK(!peer.has_value()); // the hook made the peer go
     CHECK(served);
-    const std::lock_guard lock(seen_mutex);
-    bool dropped = false;
-    for (const std::string& line : seen_lines) {
-        MESSAGE(line);
-        if (contains(line, "was dropped") && contains(line, "Invalid argument")) dropped = true;
-    }
-    CHECK(dropped);
+    CHECK(seen.any([](const std::string& line) {
+        return contains(line, "was dropped") && contains(line, "Invalid argument");
+    }));
 }
 
 TEST_CASE("rdma_create_qp refusing a live request with EINVAL is the listener's failure: thrown "
