@@ -6,15 +6,15 @@ using namespace ringverbs;
 
 // Answers every message with its bytes reversed, until the client leaves or the server stops.
 task<void> serve(connection c, std::stop_token stop) {
-    std::vector<std::byte> out(4096);
-    verbs::memory_region mr(c.pd(), out); // c.pd(): shared by every connection on the device
     try {
+        std::vector<std::byte> out(4096);
+        verbs::memory_region mr(c.pd(), out); // c.pd(): shared by every connection on the device
         for (;;) {
             recv_ring::message m = co_await c.receive(stop);
             std::reverse_copy(m.data.begin(), m.data.end(), out.begin());
             co_await c.send(local_buffer(mr, std::span(out).first(m.data.size())));
         }
-    } catch (const std::exception& e) { // connection_reset: the client left
+    } catch (const std::exception& e) { // connection_reset: the client left; ENOMEM, ...
         std::printf("%s: %s\n", c.peer_address().c_str(), e.what());
     }
 }

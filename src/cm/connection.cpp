@@ -25,6 +25,7 @@
 #include <optional>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 namespace ringverbs {
@@ -429,6 +430,10 @@ struct listener::state {
     std::deque<outcome> ready;    // for accept(), in the order the handshakes ended
     detail::waiter_queue waiters; // accept()s waiting for `ready`
     std::uint32_t handshakes = 0; // under way
+    // Handshakes under way per peer host (its address without the port), for
+    // connection_options::max_handshakes_per_peer. Entries go when their count is 0.
+    std::unordered_map<std::string, std::uint32_t> per_peer;
+    std::uint64_t rejected_busy = 0; // requests rejected "busy: ..." (listener::rejected())
     std::stop_source stop;        // ends the handshakes under way (~listener)
     bool gone = false;            // ~listener ran
     int error = 0;                // the event channel failed: no more requests come
@@ -442,6 +447,12 @@ struct listener::state {
     void wake_all(int err) noexcept {
         while (detail::waiter* w = waiters.pop_front())
             w->fulfil(err);
+    }
+    // A handshake from `host` ended, however it ended.
+    void handshake_over(const std::string& host) noexcept {
+        --handshakes;
+        if (auto it = per_peer.find(host); it != per_peer.end() && --it->second == 0)
+            per_peer.erase(it);
     }
 };
 
@@ -494,14 +505,38 @@ void check_accept_options(const listener::state& s, const verbs::context& device
                                std::to_string(attr.max_qp_rd_atom) + ")");
 }
 
-void reject_busy(listener::state& s, cm_id& request, const std::string& from, const char* why) {
+// `why` is what the peer reads (private data: at most 148 bytes on IB/RoCE, "busy: " included);
+// `cause`, when given, goes to the diagnostics sink only.
+void reject_busy(listener::state& s, cm_id& request, const std::string& from, const char* why,
+                 const char* cause = nullptr) {
     const std::string text = std::string("busy: ") + why;
-    detail::diagnose("listener on port %u: the request from %s was rejected: %s",
-                     static_cast<unsigned>(s.port), from.c_str(), text.c_str());
+    ++s.rejected_busy;
+    detail::diagnose("listener on port %u: the request from %s was rejected: %s%s%s%s",
+                     static_cast<unsigned>(s.port), from.c_str(), text.c_str(),
+                     cause != nullptr ? " (" : "", cause != nullptr ? cause : "",
+                     cause != nullptr ? ")" : "");
     try {
         request.reject(std::as_bytes(std::span(text.data(), text.size())));
     } catch (const std::exception& e) {
         detail::diagnose("listener on port %u: %s", static_cast<unsigned>(s.port), e.what());
+    }
+}
+
+// The errnos of making a connection's CQ, QP and receive buffers when the process or the
+// device has no room for one more: locked memory (ENOMEM under RLIMIT_MEMLOCK), fds (EMFILE,
+// ENFILE), the device's limits (ENOSPC, ENOBUFS, EAGAIN), a quota (EDQUOT).
+bool out_of_resources(int err) noexcept {
+    switch (err) {
+    case ENOMEM:
+    case EMFILE:
+    case ENFILE:
+    case ENOSPC:
+    case ENOBUFS:
+    case EAGAIN:
+    case EDQUOT:
+        return true;
+    default:
+        return false;
     }
 }
 
@@ -523,7 +558,8 @@ bool request_withdrawn(const cm_id& id) {
 // One request's handshake: its CQ and qp, then rdma_accept until established (step_timeout).
 // Never throws: the connection or the listener's own failure goes to accept(), the peer's
 // failure to the diagnostics sink.
-task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::string from) {
+task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::string from,
+                     std::string host) {
     auto p = std::make_unique<connection::parts>(s->events, std::move(request));
     bool ours = true;
     try {
@@ -547,7 +583,7 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
             throw;
         }
     } catch (const std::exception& e) {
-        --s->handshakes;
+        s->handshake_over(host);
         if (s->gone) co_return; // the request goes with p (rejected if unanswered)
         // EINVAL from making the request's QP (rdma_create_qp, rdma_init_qp_attr) once the
         // kernel gave the request up is the peer's failure, not the listener's (hostile
@@ -556,6 +592,16 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
         if (const auto* se = dynamic_cast<const std::system_error*>(&e);
             ours && se != nullptr && se->code().value() == EINVAL && request_withdrawn(p->id))
             ours = false;
+        // Out of resources for another connection (locked memory, fds, the device's QPs or
+        // CQs): a load condition like the bounds above, not a failure of the listener. The
+        // peer is told "busy" and may come back; accept() goes on (a client holding
+        // connections until the server's memlock limit ran out ended reverse_server).
+        if (const auto* se = dynamic_cast<const std::system_error*>(&e);
+            ours && se != nullptr && p->id.awaiting_answer() &&
+            out_of_resources(se->code().value())) {
+            reject_busy(*s, p->id, from, "no resources for another connection", e.what());
+            co_return;
+        }
         if (ours) {
             detail::diagnose("listener on port %u: the request from %s was rejected: %s",
                              static_cast<unsigned>(s->port), from.c_str(), e.what());
@@ -570,7 +616,7 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
         }
         co_return;
     }
-    --s->handshakes;
+    s->handshake_over(host);
     if (s->gone) co_return; // nobody accepts it any more: ~connection disconnects
     try {
         s->deliver({connection(std::move(p)), nullptr});
@@ -595,20 +641,33 @@ void take_request(const std::shared_ptr<listener::state>& s, cm_id request, int 
         return;
     }
     const std::string from = detail::address_text(rdma_get_peer_addr(request.native()));
+    std::string host = from.substr(0, from.rfind(':')); // "198.18.0.2", "[fe80::1]"
     const connection_options& o = s->options;
     if (s->handshakes >= o.max_handshakes) {
         reject_busy(*s, request, from, "too many handshakes under way");
+        return;
+    }
+    // One host holding unfinished handshakes (a silent or stopped client, a flood) takes at
+    // most its share: the others' requests still find room.
+    if (const auto it = s->per_peer.find(host);
+        it != s->per_peer.end() && it->second >= o.max_handshakes_per_peer) {
+        reject_busy(*s, request, from, "too many handshakes under way from your address");
         return;
     }
     if (s->ready.size() + s->handshakes >= o.accept_queue) {
         reject_busy(*s, request, from, "too many connections not yet accepted");
         return;
     }
+    try {
+        ++s->per_peer[host];
+    } catch (const std::exception&) { // out of memory: rejected as ~cm_id does
+        return;
+    }
     ++s->handshakes;
     try {
-        s->io->spawn(handshake(s, std::move(request), from));
+        s->io->spawn(handshake(s, std::move(request), from, host));
     } catch (const std::exception& e) { // out of memory for its frame: rejected
-        --s->handshakes;
+        s->handshake_over(host);
         detail::diagnose("listener on port %u: the request from %s was rejected: %s",
                          static_cast<unsigned>(s->port), from.c_str(), e.what());
     }
@@ -702,6 +761,9 @@ std::uint32_t listener::handshakes() const noexcept {
 }
 std::uint32_t listener::waiting() const noexcept {
     return static_cast<std::uint32_t>(state_->ready.size());
+}
+std::uint64_t listener::rejected() const noexcept {
+    return state_->rejected_busy;
 }
 
 task<connection> listener::accept(wait_options w) {

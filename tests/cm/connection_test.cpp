@@ -506,6 +506,46 @@ TEST_CASE("requests beyond connection_options::max_handshakes are rejected at on
     CHECK(rejected);
 }
 
+// Review (not run): one host holding max_handshakes unfinished handshakes made every other
+// client "busy" for 15 s at a time. Two hosts here: the device's IPv4 and IPv6 addresses.
+TEST_CASE("one host holds at most max_handshakes_per_peer unfinished handshakes: its next "
+          "request is rejected \"busy\", another host's is served" *
+          doctest::test_suite(ringverbs::test::ib_roce_only) *
+          doctest::skip(test_addr6().empty())) {
+    const std::string ip = test_addr();
+    io_context io;
+    connection_options o;
+    o.max_handshakes = 2;
+    o.max_handshakes_per_peer = 1;
+    listener l(io, "0", o); // any address: IPv4 and IPv6
+    silent_peer first(ip, l.port()); // holds its host's one handshake
+    silent_peer second(ip, l.port()); // before the fix: held the other, the last one
+    bool served = false, same_host_rejected = false;
+    auto run = [&]() -> task<void> {
+        const std::string at6 = "[" + test_addr6() + "]:" + std::to_string(l.port());
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at6));
+        co_await exchange(c, s, 47);
+        served = true;
+        try {
+            co_await connect(io, ip + ":" + std::to_string(l.port()));
+        } catch (const connection_rejected& e) {
+            MESSAGE(std::string(e.what()));
+            same_host_rejected =
+                starts_with(e.private_data(), bytes_of("busy: too many handshakes under way "
+                                                       "from your address"));
+        }
+    };
+    try {
+        io.run(run());
+    } catch (const std::exception& e) {
+        FAIL(std::string(e.what())); // before the fix: rejected "busy: too many handshakes"
+    }
+    CHECK(served);
+    CHECK(same_host_rejected);
+    CHECK(l.handshakes() == 1); // the first silent peer's, still waiting for its RTU
+    CHECK(l.rejected() == 2);   // the second silent peer and the last client
+}
+
 TEST_CASE("the listener's own failures are thrown from accept() (EINVAL naming rdma_accept: "
           "private data too long for an accept, initiator_depth above the device's); the "
           "client is rejected, the listener stays usable") {
@@ -768,7 +808,68 @@ int create_qp_refused(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexce
     return rdma_create_qp(id, pd, init);
 }
 
+std::atomic<int> create_qp_errno{0}; // what create_qp_failing fails with
+
+// rdma_create_qp failing for the listener's first request with create_qp_errno, as it does
+// when the process or device has no room for another QP (memlock, fds, max_qp).
+int create_qp_failing(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexcept {
+    if (is_listeners_request(id)) {
+        errno = create_qp_errno;
+        return -1;
+    }
+    return rdma_create_qp(id, pd, init);
+}
+
 } // namespace
+
+// Review (not run): a client holding connections until the server's memlock limit ran out
+// would end reverse_server, because accept() threw the ENOMEM of the next request's QP as the
+// listener's own failure. Running out is load: the request is rejected "busy".
+TEST_CASE("a request the process has no resources for (ENOMEM, EMFILE making its QP) is "
+          "rejected \"busy\": accept() does not throw, the client reads why, the next is served") {
+    const std::string ip = test_addr();
+    for (const int err : {ENOMEM, EMFILE}) {
+        CAPTURE(err);
+        io_context io;
+        listener l(io, ip + ":0");
+        const std::string at = ip + ":" + std::to_string(l.port());
+        create_qp_port = l.port();
+        create_qp_taken = 0;
+        create_qp_errno = err;
+        const create_qp_hook hook(&create_qp_failing);
+        const diagnostics_capture seen;
+        bool rejected = false, served = false;
+        auto first = [&]() -> task<void> {
+            try {
+                co_await connect(io, at);
+            } catch (const connection_rejected& e) {
+                MESSAGE(std::string(e.what()));
+                rejected = e.by_peer_application() &&
+                           starts_with(e.private_data(), bytes_of("busy: no resources"));
+            }
+        };
+        auto second = [&]() -> task<void> {
+            auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+            co_await exchange(c, s, 45);
+            served = true;
+        };
+        try {
+            io.run(first());
+            io.run(second());
+        } catch (const std::exception& e) {
+            // Before the fix: accept() threw "rdma_create_qp ...: Cannot allocate memory".
+            FAIL(std::string(e.what()));
+        }
+        CHECK(create_qp_taken >= 1);
+        CHECK(rejected);
+        CHECK(served); // the accept() that took it never saw the first request
+        CHECK(l.rejected() == 1);
+        CHECK(seen.any([&](const std::string& line) {
+            return contains(line, "rejected: busy: no resources") &&
+                   contains(line, std::system_category().message(err).c_str());
+        }));
+    }
+}
 
 // Fresh-clone CI of 2531a57 and a run of 848e390: hostile 'vanish' (a peer that sends its
 // request and exits) ended reverse_server: making the request's QP failed with EINVAL

@@ -18,6 +18,9 @@
 //   after-dreq      connects, sends one message, disconnects, then keeps posting sends
 //   private-data    connects with 56 bytes of garbage as private data (after trying 200, which
 //                   the kernel must refuse), sends one message, disconnects
+//   hog N SECONDS   connects one after the other until it holds N connections or three in a
+//                   row were refused (the server out of resources, or busy), holds them for
+//                   SECONDS without sending anything, then exits without cleaning up
 //
 // Prints "local port N" once its first id has a port (the server's log names the peer by it),
 // then a line of what happened. Exits 0 when the mode ran, 1 naming the call that failed
@@ -119,7 +122,7 @@ rdma_conn_param conn_param() {
 
 // A connected endpoint (synchronous librdmacm), or nullptr.
 rdma_cm_id* connected(const char* address, const char* port, const void* data = nullptr,
-                      std::uint8_t data_len = 0) {
+                      std::uint8_t data_len = 0, bool say_port = true) {
     rdma_addrinfo hints{};
     hints.ai_port_space = RDMA_PS_TCP;
     rdma_addrinfo* found = nullptr;
@@ -133,10 +136,12 @@ rdma_cm_id* connected(const char* address, const char* port, const void* data = 
     p.private_data = data;
     p.private_data_len = data_len;
     if (rdma_connect(id, &p) != 0) {
+        const int e = errno;
         rdma_destroy_ep(id);
+        errno = e;
         return nullptr;
     }
-    print_port(id);
+    if (say_port) print_port(id);
     return id;
 }
 
@@ -387,6 +392,30 @@ int private_data(const char* address, const char* port) {
     return 0;
 }
 
+// Holds as many connections as the server gives it, up to n, for `seconds`: a client that
+// takes what a server has (its locked memory, its QPs) and keeps it.
+int hog(const char* address, const char* port, int n, int seconds) {
+    std::vector<rdma_cm_id*> held;
+    int refused = 0, in_a_row = 0;
+    while (static_cast<int>(held.size()) < n && in_a_row < 3) {
+        rdma_cm_id* id = connected(address, port, nullptr, 0, held.empty() && refused == 0);
+        if (id == nullptr) {
+            if (errno != ECONNREFUSED && errno != ECONNRESET) return fail("hog: connect");
+            ++refused;
+            ++in_a_row;
+            usleep(200 * 1000);
+            continue;
+        }
+        in_a_row = 0;
+        held.push_back(id);
+    }
+    std::printf("hog: %zu connections held, %d refused; holding them %d s\n", held.size(),
+                refused, seconds);
+    std::fflush(stdout);
+    sleep(static_cast<unsigned>(seconds));
+    _exit(0); // no cleanup: the kernel ends what is left
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -412,6 +441,7 @@ int main(int argc, char** argv) {
     if (mode == "oversized") return oversized(address, port, arg > 0 ? arg : 65536);
     if (mode == "after-dreq") return after_dreq(address, port);
     if (mode == "private-data") return private_data(address, port);
+    if (mode == "hog") return hog(address, port, arg > 0 ? arg : 64, argc > 5 ? std::atoi(argv[5]) : 8);
     std::fprintf(stderr, "hostile_peer: unknown mode %s\n", mode.c_str());
     return 2;
 }

@@ -3,7 +3,8 @@
 
 For every mode of tests/examples/hostile_peer.cpp (silent: a request and never the RTU;
 vanish mid-handshake; a flood of 1,000 requests; a WRITE WITH IMMEDIATE larger than any slot;
-a message larger than the server's receives; sends after its own DREQ; garbage private data)
+a message larger than the server's receives; sends after its own DREQ; garbage private data;
+a hog holding every connection it gets, reverse_server under a 1 MiB memlock limit)
 and every server (reverse_server: connect()/listener/recv_ring; echo_server with its SRQ,
 --threads 1 and 2: cm_id), while the hostile peer is at it, a good client (reverse_client /
 echo_client) must be served within its normal bound; the server must stay alive; its log must
@@ -46,7 +47,15 @@ MODES = [
     ("oversized", ["65536"], True, r"oversized: 65536 bytes: "),
     ("after-dreq", [], True, r"after-dreq: first send success"),
     ("private-data", [], True, r"private-data: connected with 56 bytes"),
+    ("hog", ["30" if IWARP else "64", "8"], True, r"hog: \d+ connections held"),
 ]
+
+# reverse_server against the hog runs with 1 MiB of locked memory (and without CAP_IPC_LOCK,
+# which would ignore the limit): each connection registers 68 KiB (16 receives of 4 KiB and a
+# reply buffer), so the hog runs it out after about 14 and must be refused, not kill it (before:
+# accept() threw the next request's ENOMEM and ended the server). What its log must then say:
+HOG_MEMLOCK = 1 << 20
+SERVER_PROOF = {("hog", "reverse_server"): r"rejected: busy: no resources for another connection"}
 
 # Modes a transport cannot carry out: reported as not applicable, never as passed.
 NOT_APPLICABLE = {"write-imm": "iWARP has no RDMA WRITE WITH IMMEDIATE"} if IWARP else {}
@@ -110,7 +119,11 @@ def kill_group(proc):
 
 def run_case(server, mode, args, named, proof, port):
     log = os.path.join(TMP, f"{server.split()[0]}.{port}.log")
-    proc = subprocess.Popen(SERVERS[server](port), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    cmd = SERVERS[server](port)
+    if (mode, server) in SERVER_PROOF and mode == "hog":
+        cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "prlimit",
+               f"--memlock={HOG_MEMLOCK}:{HOG_MEMLOCK}"] + cmd
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     text = lambda: open(log).read()
     t0 = time.monotonic()
     deadline = t0 + 20
@@ -170,6 +183,8 @@ def run_case(server, mode, args, named, proof, port):
     peer_named = (bool(peer_port) and f":{peer_port}" in text()) if named else None
     exit_clean = proc.returncode == 0
     peer_did = peer.returncode == 0 and re.search(proof, first + rest) is not None
+    if (mode, server) in SERVER_PROOF:  # the server must have met what the peer did to it
+        peer_did = peer_did and re.search(SERVER_PROOF[(mode, server)], text()) is not None
     case = {"mode": mode, "server": server, "good_client_ok": ok and ok0, "server_alive": alive and exit_clean,
             "resources_back": back, "peer_named": peer_named, "peer_did_its_part": peer_did,
             "seconds": round(time.monotonic() - t0, 1)}

@@ -79,6 +79,11 @@ struct connection_options {
     // peer that never completes its own costs only one of these. A request beyond the bound is
     // rejected at once with the private data "busy: too many handshakes under way".
     std::uint32_t max_handshakes = 64;
+    // Listener: of those, at most this many from one peer host (its address, any port), so
+    // that one host holding unfinished handshakes (stopped clients, a flood) leaves room for
+    // the others. Beyond it its requests are rejected with "busy: too many handshakes under way
+    // from your address".
+    std::uint32_t max_handshakes_per_peer = 16;
     // Listener: established connections accept() has not taken yet. While that many wait (or
     // that many, handshakes included, are pending) a new request is rejected with "busy: too
     // many connections not yet accepted".
@@ -196,9 +201,13 @@ task<connection> connect(io_context& io, std::string address, connection_options
 // requests are answered whenever the loop runs, whether or not an accept() waits) and runs the
 // handshakes concurrently, at most connection_options::max_handshakes at once, each bounded by
 // step_timeout: a peer that sends its request and never completes the handshake delays nobody
-// else. Established connections wait for accept() in a queue of connection_options::
-// accept_queue; requests beyond either bound are rejected with a "busy: ..." reason (the peer
-// gets connection_rejected with it as private data), logged to the diagnostics sink.
+// else, and one host holds at most max_handshakes_per_peer of them. Established connections
+// wait for accept() in a queue of connection_options::accept_queue; requests beyond these
+// bounds, and requests the process or device has no resources for (making their CQ, QP or
+// receive buffers failed with ENOMEM, EMFILE, ENFILE, ENOSPC, ENOBUFS, EAGAIN or EDQUOT: e.g.
+// the memlock limit reached), are rejected with a "busy: ..." reason (the peer gets
+// connection_rejected with it as private data, and may come back later), logged to the
+// diagnostics sink and counted by rejected().
 //
 // Owns its cm_channel; destroy before the io_context, on its thread. Destroying it ends the
 // accept()s waiting (operation_canceled), the handshakes under way (their requests are
@@ -226,9 +235,10 @@ class listener {
     // next accept()), operation_canceled
     // when the listener is destroyed, the channel's errno when the rdma_cm event channel
     // failed; and the listener's own failures, once per request they failed (that request
-    // rejected, the listener stays usable): what making the CQ or qp throws (EMFILE, ENOMEM),
-    // or what rdma_accept / the QP's move to RTS refused in the options (EINVAL: private data
-    // too long, initiator_depth or responder_resources above the device's).
+    // rejected, the listener stays usable): what making the CQ or qp throws other than running
+    // out of resources (those are "busy" rejections, above), or what rdma_accept / the QP's
+    // move to RTS refused in the options (EINVAL: private data too long, initiator_depth or
+    // responder_resources above the device's).
     task<connection> accept(wait_options w = {});
 
     // The port listened on, in host order.
@@ -240,6 +250,8 @@ class listener {
     // Handshakes under way now, and established connections waiting for accept().
     std::uint32_t handshakes() const noexcept;
     std::uint32_t waiting() const noexcept;
+    // Requests rejected with a "busy: ..." reason so far (the bounds, or no resources).
+    std::uint64_t rejected() const noexcept;
 
     struct state;
 
