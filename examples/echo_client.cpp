@@ -409,14 +409,22 @@ task<void> run_connection(client& cl, int number) {
             --posted;
             const std::uint64_t slot = wc.wr_id & ~send_bit;
             if (wc.status != IBV_WC_SUCCESS) {
-                // A flush we did not cause (not closing yet, no request failed first): the QP
-                // failed, which on iWARP is the end of the TCP stream, seen before rdma_cm's
-                // DISCONNECTED. The server closed the connection.
+                // A flush we did not cause (not closing yet, no request failed first): on
+                // iWARP the QP fails as the TCP stream ends, before rdma_cm's DISCONNECTED: the
+                // server closed the connection. On IB/RoCE the QP goes to error only when
+                // DISCONNECTED is read (the runtime answers it with rdma_disconnect), so a
+                // flush before it is a local failure of the QP.
+                const bool iwarp =
+                    id.native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
                 std::string why = completions.device_lost() ? gone
-                                  : id.is_disconnected() || wc.status == IBV_WC_WR_FLUSH_ERR
+                                  : id.is_disconnected() ||
+                                          (iwarp && wc.status == IBV_WC_WR_FLUSH_ERR)
                                       ? "the server closed the connection"
                                       : std::string(wc.wr_id & send_bit ? "send" : "receive") +
-                                            " failed: " + ibv_wc_status_str(wc.status);
+                                            " failed: " + ibv_wc_status_str(wc.status) +
+                                            (wc.status == IBV_WC_WR_FLUSH_ERR
+                                                 ? " (the QP went to the error state)"
+                                                 : "");
                 why += oversize_note();
                 co_await close(why);
                 continue;

@@ -247,6 +247,7 @@ class connection {
         ending_; // requested by close() and fail(): ends the idle and disconnect watches
     std::optional<std::string> failure_; // fail()'s reason
     bool cut_off_ = false; // failure_ is an echo cut off in flight: the client's end, if it came
+    bool watching_ = false; // watch_disconnect runs: it closes for a cut_off()
     // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the
     // watches (and watch_disconnect closes the connection).
     struct request_stop_of {
@@ -322,6 +323,7 @@ task<void> connection::accept() {
 // await returns.
 task<void> connection::echo_loop(std::uint32_t slot) {
     std::string why;
+    bool explainable = false; // by the client's end of the connection (below)
     request current = request::receive;
     try {
         while (!closing_) {
@@ -342,14 +344,26 @@ task<void> connection::echo_loop(std::uint32_t slot) {
         why = "the client disconnected";
     } catch (const completion_error& e) {
         why = failure(current, e.status());
-        if (ended_mid_send(current, e.status())) {
-            cut_off(std::move(why)); // the disconnect watch closes, naming what it was
-            co_return;
-        }
+        // An echo cut off in flight (iWARP), or a flush another request's failure caused.
+        explainable = ended_mid_send(current, e.status()) || e.status() == IBV_WC_WR_FLUSH_ERR;
     } catch (const std::system_error& e) {
         // The bounded flush (qp_options::flush_timeout) ended it: the device never flushed it.
         if (closing_ && e.code() == std::errc::io_error) ++never_flushed_;
         why = e.what(); // ibv_post_*, named with its errno; or cancelled by the server's stop
+        // A post the QP refused because it already failed (siw: ENOTCONN once the client's
+        // stream ended).
+        explainable = !closing_ && e.code() != std::errc::operation_canceled &&
+                      e.code() != std::errc::io_error;
+    }
+    // What the client's end may explain: while the disconnect watch runs, it closes and names
+    // it (the client's end if DISCONNECTED follows soon); once it has seen that end, the end is
+    // the reason.
+    if (explainable && !closing_) {
+        if (watching_) {
+            cut_off(std::move(why));
+            co_return;
+        }
+        if (id_.is_disconnected()) why = "the client disconnected";
     }
     co_await close(std::move(why));
 }
@@ -375,6 +389,13 @@ task<void> connection::watch_idle() {
 // whose flushes never come still closes the connection, within flush_timeout. With the SRQ
 // it also closes the connection for a failure the shared loops reported (fail()).
 task<void> connection::watch_disconnect() {
+    struct watch_scope { // watching_ while this runs, however it ends
+        bool& flag;
+        explicit watch_scope(bool& f) : flag(f) { flag = true; }
+        ~watch_scope() { flag = false; }
+        watch_scope(const watch_scope&) = delete;
+        watch_scope& operator=(const watch_scope&) = delete;
+    } const scope(watching_);
     bool gone = true;
     try {
         co_await id_.disconnected(wait_options(ending_.get_token()));
@@ -385,21 +406,25 @@ task<void> connection::watch_disconnect() {
         // An echo cut off in flight (iWARP): the client's end if its DISCONNECTED comes soon.
         const wait_options grace(2s);
         if ((co_await nothrow(id_.disconnected(grace))).ok()) {
-            co_await close("the client disconnected (an echo was cut off in flight)");
+            co_await close("the client disconnected (a request was cut off in flight)");
             co_return;
         }
     }
     if (gone && !device_.shared) {
-        // Its own receives say why first: a failure the client caused (an oversized message)
-        // sits in the CQ before the flushes. Moving the QP to error arms the bound on them, so
-        // the echo loops end, and close, even if the device never flushes.
-        std::string failed;
+        // Moving the QP to error arms the bound on its flushes, so the echo loops end even if
+        // the device never flushes (siw does not flush a receive posted after the error).
+        std::string failed = "the client disconnected";
         try {
             qp_.to_error();
         } catch (const std::exception& e) {
-            failed = std::string("the client disconnected; ") + e.what();
+            failed += std::string("; ") + e.what();
         }
-        if (!failed.empty()) co_await close(std::move(failed));
+        // Its own receives say why first: a failure the client caused (an oversized message)
+        // sits in the CQ before the flushes, and is delivered within this turn; one turn later
+        // the disconnect is the reason (before: the loops named it, and with --depth 1 a send
+        // cut off after DISCONNECTED left the connection closed by nobody).
+        co_await worker_.io->schedule();
+        co_await close(std::move(failed));
         co_return;
     }
     if (gone && !failure_) {
@@ -407,7 +432,8 @@ task<void> connection::watch_disconnect() {
         // client disconnects because of it: an oversized message's completion comes before
         // its DREQ): one turn later, the failure is named instead.
         co_await worker_.io->schedule();
-        if (!failure_) co_await close("the client disconnected");
+        // An echo cut off meanwhile is explained by the disconnect seen first.
+        if (!failure_ || cut_off_) co_await close("the client disconnected");
     }
     if (!closing_ && (failure_ || server_.stopping.stop_requested())) {
         // Named, not a ?: inside the co_await: GCC 12 destroys such a temporary twice.

@@ -212,6 +212,34 @@ def case_killed_client():
         check(s.stop() == 0, "server exit status")
 
 
+def case_killed_client_reason():
+    """kill -9 of a client mid-stream, four times per way of serving (own receives at --depth 16
+    and 1, the SRQ): each connection closes as "the client disconnected". Before (siw, 8 kills
+    each): --depth 1 closed 5 of 8 as "ibv_post_recv: never flushed by the device" (a receive
+    posted after the error, which siw never flushes) and 1 with no reason at all (DISCONNECTED,
+    then a send cut off: nobody closed); --no-srq 1 of 8 as "ibv_post_send(SEND): Transport
+    endpoint is not connected"."""
+    port = 19600
+    wrong = []
+    for args, inflight in ((["--no-srq"], "8"), (["--no-srq", "--depth", "1"], "1"), ([], "8")):
+        for _ in range(4):
+            port += 1
+            s = Server(port, *args)
+            try:
+                c = start_client(port, "--count", "100000000", "--inflight", inflight)
+                time.sleep(1)  # mid-stream
+                c.kill()
+                c.wait()
+                s.wait_for(r"closed \(", 20)
+                wrong += [f"{' '.join(args) or 'SRQ'}: {why}" for why in
+                          re.findall(r"closed \((.*)\) after \d+ messages", s.text())
+                          if not why.startswith("the client disconnected")]
+            finally:
+                check(s.stop() == 0, "server exit status")
+    check(not wrong, f"connections closed for another reason: {wrong}")
+    print("killed client: 12 connections, each closed as 'the client disconnected'")
+
+
 def case_oversized():
     """A message larger than the server's receives: an error on that connection only."""
     s = Server(19003, "--max-size", "1024")
