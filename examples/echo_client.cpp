@@ -416,15 +416,15 @@ task<void> run_connection(client& cl, int number) {
                 // flush before it is a local failure of the QP.
                 const bool iwarp =
                     id.native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
-                std::string why = completions.device_lost() ? gone
-                                  : id.is_disconnected() ||
-                                          (iwarp && wc.status == IBV_WC_WR_FLUSH_ERR)
-                                      ? "the server closed the connection"
-                                      : std::string(wc.wr_id & send_bit ? "send" : "receive") +
-                                            " failed: " + ibv_wc_status_str(wc.status) +
-                                            (wc.status == IBV_WC_WR_FLUSH_ERR
-                                                 ? " (the QP went to the error state)"
-                                                 : "");
+                std::string why =
+                    completions.device_lost() ? gone
+                    : id.is_disconnected() || (iwarp && wc.status == IBV_WC_WR_FLUSH_ERR)
+                        ? "the server closed the connection"
+                        : std::string(wc.wr_id & send_bit ? "send" : "receive") +
+                              " failed: " + ibv_wc_status_str(wc.status) +
+                              (wc.status == IBV_WC_WR_FLUSH_ERR
+                                   ? " (the QP went to the error state)"
+                                   : "");
                 why += oversize_note();
                 co_await close(why);
                 continue;

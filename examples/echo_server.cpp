@@ -246,7 +246,7 @@ class connection {
     std::stop_source
         ending_; // requested by close() and fail(): ends the idle and disconnect watches
     std::optional<std::string> failure_; // fail()'s reason
-    bool cut_off_ = false; // failure_ is an echo cut off in flight: the client's end, if it came
+    bool cut_off_ = false;  // failure_ is an echo cut off in flight: the client's end, if it came
     bool watching_ = false; // watch_disconnect runs: it closes for a cut_off()
     // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the
     // watches (and watch_disconnect closes the connection).

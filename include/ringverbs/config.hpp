@@ -7,3 +7,15 @@
 // A missing include is fatal in GCC and Clang: compilation stops here, after the line above.
 #include <ringverbs-needs-cpp20>
 #endif
+
+// On a parameter: the function's result refers to the argument, so a result kept in a variable
+// past the full expression of a temporary argument dangles. Clang warns (-Wdangling); other
+// compilers ignore it.
+#if defined(__clang__) && defined(__has_cpp_attribute)
+#if __has_cpp_attribute(clang::lifetimebound)
+#define RINGVERBS_LIFETIMEBOUND [[clang::lifetimebound]]
+#endif
+#endif
+#ifndef RINGVERBS_LIFETIMEBOUND
+#define RINGVERBS_LIFETIMEBOUND
+#endif

@@ -434,10 +434,10 @@ struct listener::state {
     // connection_options::max_handshakes_per_peer. Entries go when their count is 0.
     std::unordered_map<std::string, std::uint32_t> per_peer;
     std::uint64_t rejected_busy = 0; // requests rejected "busy: ..." (listener::rejected())
-    std::stop_source stop;        // ends the handshakes under way (~listener)
-    bool gone = false;            // ~listener ran
-    int error = 0;                // the event channel failed: no more requests come
-    std::string failure;          // its text
+    std::stop_source stop;           // ends the handshakes under way (~listener)
+    bool gone = false;               // ~listener ran
+    int error = 0;                   // the event channel failed: no more requests come
+    std::string failure;             // its text
 
     // A connection or a failure for accept(): one waiting accept() is resumed for it.
     void deliver(outcome o) {

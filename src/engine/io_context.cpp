@@ -403,6 +403,11 @@ void io_context::run() {
     }
 }
 
+void io_context::finish_teardown() {
+    while (teardown_ > 0 && !stopped())
+        run_once(true); // a flush, or the flush timer's CQE, is due within flush_timeout
+}
+
 void io_context::spawn(task<void> t) {
     auto c = detail::run_spawned(*this, std::move(t));
     ready(c.handle);

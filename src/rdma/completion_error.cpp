@@ -15,6 +15,21 @@ const char* explanation(ibv_wc_status status) noexcept {
                "not connected (verbs::rts_params::retry_cnt, cm_conn_options::retry_count)";
     case IBV_WC_REM_INV_REQ_ERR:
         return "the peer refused the request (e.g. a message larger than its receive)";
+    case IBV_WC_REM_OP_ERR:
+        return "the peer could not carry it out (e.g. its receive was smaller than the message: "
+               "the receiving side then sees a local length or QP operation error)";
+    case IBV_WC_LOC_LEN_ERR:
+        return "on a receive: the message was larger than the receive's buffer; on a send: "
+               "longer than the QP or port allows";
+    case IBV_WC_LOC_QP_OP_ERR:
+        return "the QP could not carry it out: on a receive, usually a message larger than the "
+               "buffer (Soft-RoCE reports it so); on iWARP, a send the connection's end cut off";
+    case IBV_WC_LOC_PROT_ERR:
+        return "the local buffer is not inside its memory region (lkey, address, length) or "
+               "lacks the access the request needs";
+    case IBV_WC_WR_FLUSH_ERR:
+        return "the QP was in the error state: an earlier request failed, the connection ended, "
+               "or the QP was moved there";
     case IBV_WC_REM_ACCESS_ERR:
         return "the peer refused the access (rkey, address range or access rights)";
     default:

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace ringverbs {
 
@@ -244,6 +245,7 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
         }
     }
     if (self->keep_alive && self->pending_count == 0) {
+        detail::loop(*self->ctx).end_teardown();
         std::shared_ptr<qp_state> last = std::move(self->keep_alive);
         // `self` is freed here, with the QP.
     }
@@ -289,6 +291,7 @@ void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
     // that CQE (flush_timer_fired frees it once nothing is owed).
     if (!self->flush_timer_armed) return;
     qp_state* s = self.get();
+    detail::loop(*s->ctx).start_teardown(); // io_context::teardown_in_flight()
     s->keep_alive = std::move(self);
 }
 
@@ -516,6 +519,22 @@ bool qp::request::interrupted_by(wait_core* core, int) noexcept {
     return false;
 }
 
+namespace {
+// What a request is, for the failures of its completion (a post's failure names the verb
+// alone): "the receive (ibv_post_recv) on qp 17". Not the verb alone: a receive whose wait
+// timed out read as "ibv_post_recv: Connection timed out", as if the post had failed.
+std::string described(const char* verb, std::uint32_t qp_num) {
+    const std::string_view v(verb);
+    const char* noun = v.starts_with("ibv_post_recv")              ? "the receive"
+                       : v.find("RDMA_WRITE") != std::string::npos ? "the RDMA write"
+                       : v.find("RDMA_READ") != std::string::npos  ? "the RDMA read"
+                       : v.find("ATOMIC") != std::string::npos     ? "the atomic"
+                       : v.find("SEND") != std::string::npos       ? "the send"
+                                                                   : "the chain";
+    return std::string(noun) + " (" + verb + ") on qp " + std::to_string(qp_num);
+}
+} // namespace
+
 ibv_wc qp::request::await_resume() {
     if (cancelled_early_) throw_system_error(ECANCELED, name_);
     const int interrupted = this->interrupted();
@@ -523,22 +542,31 @@ ibv_wc qp::request::await_resume() {
     if (!failed_) return result_; // its real outcome came first
     const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
                                first_error_.vendor_err == never_flushed_vendor_err;
+    const std::string what = described(name_, first_error_.qp_num);
     if (first_error_.status == IBV_WC_WR_FLUSH_ERR &&
         first_error_.vendor_err == device_lost_vendor_err && interrupted == 0 && !stop_won())
-        throw_system_error(ENODEV, std::string(name_) +
+        throw_system_error(ENODEV, what +
                                        ": the RDMA device is gone (removed, or failed for good): "
                                        "the request never completed; its buffer is free again");
     const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
+    // A posted request cannot be recalled: the stop or the deadline moved the QP to error.
     if (stop_won() || interrupted == ECANCELED)
-        throw_system_error(ECANCELED, std::string(name_) + note);
-    if (interrupted == ETIMEDOUT) throw_system_error(ETIMEDOUT, std::string(name_) + note);
-    if (closed_ && !never_flushed) throw connection_reset(first_error_, name_);
+        throw_system_error(ECANCELED, what +
+                                          ": cancelled by its stop_token (the QP was moved to "
+                                          "the error state to end it)" +
+                                          note);
+    if (interrupted == ETIMEDOUT)
+        throw_system_error(ETIMEDOUT, what +
+                                          ": no completion within its wait_options timeout "
+                                          "(the QP was moved to the error state to end it)" +
+                                          note);
+    if (closed_ && !never_flushed) throw connection_reset(first_error_, what.c_str());
     if (never_flushed)
-        throw_system_error(EIO, std::string(name_) +
+        throw_system_error(EIO, what +
                                     ": never flushed by the device: the QP was in the error state "
                                     "for qp_options::flush_timeout with this request owed, and was "
                                     "reset; its buffer is free again");
-    throw completion_error(first_error_, name_);
+    throw completion_error(first_error_, what.c_str());
 }
 
 std::shared_ptr<detail::srq_state> qp::shared_state(const qp_options& o) {

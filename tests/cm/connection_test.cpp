@@ -517,8 +517,8 @@ TEST_CASE("one host holds at most max_handshakes_per_peer unfinished handshakes:
     connection_options o;
     o.max_handshakes = 2;
     o.max_handshakes_per_peer = 1;
-    listener l(io, "0", o); // any address: IPv4 and IPv6
-    silent_peer first(ip, l.port()); // holds its host's one handshake
+    listener l(io, "0", o);           // any address: IPv4 and IPv6
+    silent_peer first(ip, l.port());  // holds its host's one handshake
     silent_peer second(ip, l.port()); // before the fix: held the other, the last one
     bool served = false, same_host_rejected = false;
     auto run = [&]() -> task<void> {

@@ -227,7 +227,9 @@ def case_killed_client_reason():
             s = Server(port, *args)
             try:
                 c = start_client(port, "--count", "100000000", "--inflight", inflight)
-                time.sleep(1)  # mid-stream
+                # Connected (a slow start under load: 1 s was not always enough), then mid-stream.
+                wait_until(lambda: s.rdma_objects("qp") == 1, 30, "the client's connection")
+                time.sleep(0.5)
                 c.kill()
                 c.wait()
                 s.wait_for(r"closed \(", 20)

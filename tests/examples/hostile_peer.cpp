@@ -409,8 +409,8 @@ int hog(const char* address, const char* port, int n, int seconds) {
         in_a_row = 0;
         held.push_back(id);
     }
-    std::printf("hog: %zu connections held, %d refused; holding them %d s\n", held.size(),
-                refused, seconds);
+    std::printf("hog: %zu connections held, %d refused; holding them %d s\n", held.size(), refused,
+                seconds);
     std::fflush(stdout);
     sleep(static_cast<unsigned>(seconds));
     _exit(0); // no cleanup: the kernel ends what is left
@@ -441,7 +441,8 @@ int main(int argc, char** argv) {
     if (mode == "oversized") return oversized(address, port, arg > 0 ? arg : 65536);
     if (mode == "after-dreq") return after_dreq(address, port);
     if (mode == "private-data") return private_data(address, port);
-    if (mode == "hog") return hog(address, port, arg > 0 ? arg : 64, argc > 5 ? std::atoi(argv[5]) : 8);
+    if (mode == "hog")
+        return hog(address, port, arg > 0 ? arg : 64, argc > 5 ? std::atoi(argv[5]) : 8);
     std::fprintf(stderr, "hostile_peer: unknown mode %s\n", mode.c_str());
     return 2;
 }

@@ -156,6 +156,17 @@ class io_context {
     std::size_t operations_in_flight() const noexcept { return in_flight_ + background_; }
     std::size_t waiters() const noexcept { return waiting_; }
 
+    // Work the runtime finishes on its own after the objects that started it are gone: a
+    // destroyed qp (a connection, a recv_ring's qp) whose owed requests the device has yet to
+    // flush, each bounded by its qp_options::flush_timeout (5 s). run() does not wait for it
+    // (nothing awaits it); operations_in_flight() counts it until it ends.
+    std::size_t teardown_in_flight() const noexcept { return teardown_; }
+    // Runs the loop until teardown_in_flight() is 0 (or stop() is called): after destroying
+    // the connections and qps, before a leak check or a look at operations_in_flight(), or
+    // to let the device see every QP's end. Bounded by the longest flush_timeout among them;
+    // returns at once when there is nothing to finish. Rethrows as run_once() does.
+    void finish_teardown();
+
     // True while the destructor drains: new operations must complete at once as cancelled.
     bool shutting_down() const noexcept { return shutting_down_; }
 
@@ -180,6 +191,9 @@ class io_context {
     void finish_background() noexcept { --background_; }
     void add_waiter() noexcept { ++waiting_; }
     void remove_waiter() noexcept { --waiting_; }
+    // Teardown work (teardown_in_flight()) begins / ends: counted apart, not work for run().
+    void start_teardown() noexcept { ++teardown_; }
+    void end_teardown() noexcept { --teardown_; }
     // Queues a coroutine to be resumed after the current CQE batch. Never resumes inline.
     void ready(std::coroutine_handle<> h) { ready_.push_back(h); }
     // Asks the kernel to cancel the request whose user_data is `op` (its CQE still arrives).
@@ -222,6 +236,7 @@ class io_context {
     std::size_t in_flight_ = 0;
     std::size_t background_ = 0;
     std::size_t waiting_ = 0;
+    std::size_t teardown_ = 0;
     std::vector<std::coroutine_handle<>> ready_;
     std::vector<std::coroutine_handle<>> resuming_;
     detail::poller* pollers_ = nullptr; // queued pollers, sorted by priority (highest first)
@@ -257,6 +272,8 @@ class io_context_access {
     void finish_background() noexcept { ctx_->finish_background(); }
     void add_waiter() noexcept { ctx_->add_waiter(); }
     void remove_waiter() noexcept { ctx_->remove_waiter(); }
+    void start_teardown() noexcept { ctx_->start_teardown(); }
+    void end_teardown() noexcept { ctx_->end_teardown(); }
     void ready(std::coroutine_handle<> h) { ctx_->ready(h); }
     void cancel(operation* op) { ctx_->cancel(op); }
     void push_remote(remote_node* node) noexcept { ctx_->push_remote(node); }

@@ -234,13 +234,18 @@ class nothrow_awaiter {
     std::exception_ptr failure_;
 };
 
+// Whether nothrow_awaitable<A> holds the awaitable itself (a movable rvalue: a task, what
+// when_all gives) rather than referring to it.
+template <typename A>
+inline constexpr bool nothrow_owns = !std::is_reference_v<A> && std::is_move_constructible_v<A>;
+
 // What nothrow() returns, awaitable once, as an rvalue. A movable rvalue awaitable (a task, what
 // when_all gives) is moved in and lives as long as this object; an lvalue, or an awaitable that
 // cannot move (ringverbs' own: sleep_for, a qp's request, cq::next, ...), is referred to and
 // must outlive the await: `co_await nothrow(aw)` in one expression, where the temporary does.
 template <typename A>
 class nothrow_awaitable {
-    static constexpr bool owns = !std::is_reference_v<A> && std::is_move_constructible_v<A>;
+    static constexpr bool owns = nothrow_owns<A>;
     using held = std::conditional_t<owns, A, std::remove_reference_t<A>*>;
 
   public:
@@ -272,10 +277,19 @@ class nothrow_awaitable {
 } // namespace detail
 
 // co_await nothrow(aw): aw's value as a result<T>, its system_error as the result's failure.
-// Await it in the expression that makes it: ringverbs' own awaitables do not move, so the
-// returned object refers to them (`auto n = nothrow(aw); co_await n;` does not compile).
+// Await it in the expression that makes it. A task (any movable awaitable) is moved in, so
+// `auto n = nothrow(a_task()); co_await std::move(n);` is fine; ringverbs' own awaitables do
+// not move, so the returned object refers to them, and the temporary is gone at the end of the
+// full expression: `auto n = nothrow(sleep_for(io, 1s)); co_await std::move(n);` awaits a
+// destroyed object. Clang rejects that (-Wdangling, through [[clang::lifetimebound]]); GCC
+// does not see it. (`co_await n` on an lvalue never compiles: await the rvalue.)
 template <typename A>
-detail::nothrow_awaitable<A> nothrow(A&& aw) {
+requires detail::nothrow_owns<A> detail::nothrow_awaitable<A> nothrow(A&& aw) {
+    return detail::nothrow_awaitable<A>(static_cast<A&&>(aw));
+}
+template <typename A>
+requires(!detail::nothrow_owns<A>) detail::nothrow_awaitable<A> nothrow(
+    A&& aw RINGVERBS_LIFETIMEBOUND) {
     return detail::nothrow_awaitable<A>(static_cast<A&&>(aw));
 }
 

@@ -208,7 +208,10 @@ class qp {
 // compare_swap, fetch_add, post_send and post_recv. `co_await` it (it is posted then, unless
 // post() did it before) and it gives the request's ibv_wc; a failed completion throws
 // completion_error, a timeout or stop std::system_error (timed_out / operation_canceled), a
-// post failure std::system_error naming the verb. Lives in the awaiting coroutine's frame; its
+// post failure std::system_error naming the verb ("ibv_post_recv: ..."). What happened after
+// the post names the request and its qp ("the receive (ibv_post_recv) on qp 17: no completion
+// within its wait_options timeout ..."; a completion_error adds what its status usually
+// means). Lives in the awaiting coroutine's frame; its
 // address is the requests' wr_id (tagged), so a completion resumes exactly this coroutine,
 // with no allocation and no lookup.
 //
