@@ -22,6 +22,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <system_error>
 #include <thread>
@@ -434,6 +435,7 @@ struct listener::state {
     // connection_options::max_handshakes_per_peer. Entries go when their count is 0.
     std::unordered_map<std::string, std::uint32_t> per_peer;
     std::uint64_t rejected_busy = 0; // requests rejected "busy: ..." (listener::rejected())
+    std::uint64_t made = 0;          // connections established so far
     std::stop_source stop;           // ends the handshakes under way (~listener)
     bool gone = false;               // ~listener ran
     int error = 0;                   // the event channel failed: no more requests come
@@ -560,12 +562,15 @@ bool request_withdrawn(const cm_id& id) {
 // failure to the diagnostics sink.
 task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::string from,
                      std::string host) {
-    auto p = std::make_unique<connection::parts>(s->events, std::move(request));
+    std::unique_ptr<connection::parts> p;
     bool ours = true;
+    bool equipping = true; // making the CQ, QP and receives, checking the options
     try {
+        p = std::make_unique<connection::parts>(s->events, std::move(request));
         p->peer_data.assign(p->id.request_data().begin(), p->id.request_data().end());
         p->equip(*s->io, s->options);
         check_accept_options(*s, p->device->device);
+        equipping = false;
         ours = false;
         try {
             co_await p->id.accept_connection(
@@ -585,6 +590,11 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
     } catch (const std::exception& e) {
         s->handshake_over(host);
         if (s->gone) co_return; // the request goes with p (rejected if unanswered)
+        if (!p) { // no memory for its parts: the request goes unanswered (~cm_id rejects it)
+            detail::diagnose("listener on port %u: the request from %s was rejected: %s",
+                             static_cast<unsigned>(s->port), from.c_str(), e.what());
+            co_return;
+        }
         // EINVAL from making the request's QP (rdma_create_qp, rdma_init_qp_attr) once the
         // kernel gave the request up is the peer's failure, not the listener's (hostile
         // 'vanish' ended reverse_server through accept()); with the request still live it is
@@ -592,13 +602,16 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
         if (const auto* se = dynamic_cast<const std::system_error*>(&e);
             ours && se != nullptr && se->code().value() == EINVAL && request_withdrawn(p->id))
             ours = false;
-        // Out of resources for another connection (locked memory, fds, the device's QPs or
-        // CQs): a load condition like the bounds above, not a failure of the listener. The
-        // peer is told "busy" and may come back; accept() goes on (a client holding
-        // connections until the server's memlock limit ran out ended reverse_server).
+        // Out of resources for another connection while making it (locked memory, fds, the
+        // device's QPs or CQs), once this listener has made one: a load condition like the
+        // bounds above, not a failure of the listener. The peer is told "busy" and may come
+        // back; accept() goes on (a client holding connections until the server's memlock
+        // limit ran out ended reverse_server). Before any connection was made it is the
+        // listener's setup (a memlock limit too small for even one): thrown from accept().
         if (const auto* se = dynamic_cast<const std::system_error*>(&e);
-            ours && se != nullptr && p->id.awaiting_answer() &&
-            out_of_resources(se->code().value())) {
+            ours && equipping && s->made > 0 && p->id.awaiting_answer() &&
+            ((se != nullptr && out_of_resources(se->code().value())) ||
+             dynamic_cast<const std::bad_alloc*>(&e) != nullptr)) {
             reject_busy(*s, p->id, from, "no resources for another connection", e.what());
             co_return;
         }
@@ -617,6 +630,7 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
         co_return;
     }
     s->handshake_over(host);
+    ++s->made;
     if (s->gone) co_return; // nobody accepts it any more: ~connection disconnects
     try {
         s->deliver({connection(std::move(p)), nullptr});
@@ -649,8 +663,9 @@ void take_request(const std::shared_ptr<listener::state>& s, cm_id request, int 
     }
     // One host holding unfinished handshakes (a silent or stopped client, a flood) takes at
     // most its share: the others' requests still find room.
-    if (const auto it = s->per_peer.find(host);
-        it != s->per_peer.end() && it->second >= o.max_handshakes_per_peer) {
+    if (const auto it = s->per_peer.find(host); o.max_handshakes_per_peer != 0 &&
+                                                it != s->per_peer.end() &&
+                                                it->second >= o.max_handshakes_per_peer) {
         reject_busy(*s, request, from, "too many handshakes under way from your address");
         return;
     }

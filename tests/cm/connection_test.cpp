@@ -808,12 +808,13 @@ int create_qp_refused(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexce
     return rdma_create_qp(id, pd, init);
 }
 
-std::atomic<int> create_qp_errno{0}; // what create_qp_failing fails with
+std::atomic<int> create_qp_errno{0};    // what create_qp_failing fails with
+std::atomic<int> create_qp_fail_nth{0}; // ... for the listener's request of this index (from 0)
 
-// rdma_create_qp failing for the listener's first request with create_qp_errno, as it does
+// rdma_create_qp failing for one request of the listener with create_qp_errno, as it does
 // when the process or device has no room for another QP (memlock, fds, max_qp).
 int create_qp_failing(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexcept {
-    if (is_listeners_request(id)) {
+    if (ntohs(rdma_get_src_port(id)) == create_qp_port && create_qp_taken++ == create_qp_fail_nth) {
         errno = create_qp_errno;
         return -1;
     }
@@ -824,9 +825,11 @@ int create_qp_failing(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexce
 
 // Review (not run): a client holding connections until the server's memlock limit ran out
 // would end reverse_server, because accept() threw the ENOMEM of the next request's QP as the
-// listener's own failure. Running out is load: the request is rejected "busy".
-TEST_CASE("a request the process has no resources for (ENOMEM, EMFILE making its QP) is "
-          "rejected \"busy\": accept() does not throw, the client reads why, the next is served") {
+// listener's own failure. Running out is load, once a connection was made: the request is
+// rejected "busy". Before the first (a setup that cannot make even one), it is thrown.
+TEST_CASE("a request the process has no resources for (ENOMEM, EMFILE making its QP) after a "
+          "first connection is rejected \"busy\": accept() does not throw, the client reads "
+          "why, the next is served; before any connection it is thrown from accept()") {
     const std::string ip = test_addr();
     for (const int err : {ENOMEM, EMFILE}) {
         CAPTURE(err);
@@ -835,11 +838,18 @@ TEST_CASE("a request the process has no resources for (ENOMEM, EMFILE making its
         const std::string at = ip + ":" + std::to_string(l.port());
         create_qp_port = l.port();
         create_qp_taken = 0;
+        create_qp_fail_nth = 1; // the second request
         create_qp_errno = err;
         const create_qp_hook hook(&create_qp_failing);
         const diagnostics_capture seen;
-        bool rejected = false, served = false;
-        auto first = [&]() -> task<void> {
+        int served = 0;
+        bool rejected = false;
+        auto serve_one = [&]() -> task<void> {
+            auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+            co_await exchange(c, s, 45);
+            ++served;
+        };
+        auto refused = [&]() -> task<void> {
             try {
                 co_await connect(io, at);
             } catch (const connection_rejected& e) {
@@ -848,27 +858,49 @@ TEST_CASE("a request the process has no resources for (ENOMEM, EMFILE making its
                            starts_with(e.private_data(), bytes_of("busy: no resources"));
             }
         };
-        auto second = [&]() -> task<void> {
-            auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
-            co_await exchange(c, s, 45);
-            served = true;
-        };
         try {
-            io.run(first());
-            io.run(second());
+            io.run(serve_one());
+            io.run(refused());
+            io.run(serve_one()); // its accept() never saw the refused request
         } catch (const std::exception& e) {
             // Before the fix: accept() threw "rdma_create_qp ...: Cannot allocate memory".
             FAIL(std::string(e.what()));
         }
-        CHECK(create_qp_taken >= 1);
+        CHECK(create_qp_taken >= 3);
+        CHECK(served == 2);
         CHECK(rejected);
-        CHECK(served); // the accept() that took it never saw the first request
         CHECK(l.rejected() == 1);
         CHECK(seen.any([&](const std::string& line) {
             return contains(line, "rejected: busy: no resources") &&
                    contains(line, std::system_category().message(err).c_str());
         }));
     }
+    // No connection made yet: the listener's setup cannot make one. Thrown, as before.
+    io_context io;
+    listener l(io, ip + ":0");
+    const std::string at = ip + ":" + std::to_string(l.port());
+    create_qp_port = l.port();
+    create_qp_taken = 0;
+    create_qp_fail_nth = 0;
+    create_qp_errno = ENOMEM;
+    const create_qp_hook hook(&create_qp_failing);
+    bool thrown = false;
+    auto server = [&]() -> task<void> {
+        try {
+            co_await l.accept(wait_options(20s));
+        } catch (const std::system_error& e) {
+            thrown = errc_of(e) == std::errc::not_enough_memory;
+        }
+    };
+    auto client = [&]() -> task<void> {
+        try {
+            co_await connect(io, at);
+        } catch (const connection_rejected&) {
+        }
+    };
+    io.run(when_all(server(), client()));
+    CHECK(thrown);
+    CHECK(l.rejected() == 0);
 }
 
 // Fresh-clone CI of 2531a57 and a run of 848e390: hostile 'vanish' (a peer that sends its

@@ -82,7 +82,8 @@ struct connection_options {
     // Listener: of those, at most this many from one peer host (its address, any port), so
     // that one host holding unfinished handshakes (stopped clients, a flood) leaves room for
     // the others. Beyond it its requests are rejected with "busy: too many handshakes under way
-    // from your address".
+    // from your address". 0: no per-host bound. (A host's established connections are not
+    // bounded here: the application decides how many it serves.)
     std::uint32_t max_handshakes_per_peer = 16;
     // Listener: established connections accept() has not taken yet. While that many wait (or
     // that many, handshakes included, are pending) a new request is rejected with "busy: too
@@ -203,11 +204,11 @@ task<connection> connect(io_context& io, std::string address, connection_options
 // step_timeout: a peer that sends its request and never completes the handshake delays nobody
 // else, and one host holds at most max_handshakes_per_peer of them. Established connections
 // wait for accept() in a queue of connection_options::accept_queue; requests beyond these
-// bounds, and requests the process or device has no resources for (making their CQ, QP or
-// receive buffers failed with ENOMEM, EMFILE, ENFILE, ENOSPC, ENOBUFS, EAGAIN or EDQUOT: e.g.
-// the memlock limit reached), are rejected with a "busy: ..." reason (the peer gets
-// connection_rejected with it as private data, and may come back later), logged to the
-// diagnostics sink and counted by rejected().
+// bounds, and, once the listener has made a connection, requests the process or device has no
+// resources for (making their CQ, QP or receive buffers failed with ENOMEM, EMFILE, ENFILE,
+// ENOSPC, ENOBUFS, EAGAIN, EDQUOT or std::bad_alloc: e.g. the memlock limit reached), are
+// rejected with a "busy: ..." reason (the peer gets connection_rejected with it as private
+// data, and may come back later), logged to the diagnostics sink and counted by rejected().
 //
 // Owns its cm_channel; destroy before the io_context, on its thread. Destroying it ends the
 // accept()s waiting (operation_canceled), the handshakes under way (their requests are
@@ -235,10 +236,11 @@ class listener {
     // next accept()), operation_canceled
     // when the listener is destroyed, the channel's errno when the rdma_cm event channel
     // failed; and the listener's own failures, once per request they failed (that request
-    // rejected, the listener stays usable): what making the CQ or qp throws other than running
-    // out of resources (those are "busy" rejections, above), or what rdma_accept / the QP's
-    // move to RTS refused in the options (EINVAL: private data too long, initiator_depth or
-    // responder_resources above the device's).
+    // rejected, the listener stays usable): what making the CQ or qp throws (running out of
+    // resources only before the first connection was made: a setup that cannot make even one,
+    // e.g. a memlock limit too small; after it, a "busy" rejection, above), or what rdma_accept /
+    // the QP's move to RTS refused in the options (EINVAL: private data too long, initiator_depth
+    // or responder_resources above the device's).
     task<connection> accept(wait_options w = {});
 
     // The port listened on, in host order.
