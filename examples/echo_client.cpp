@@ -213,35 +213,108 @@ std::byte pattern(int c, std::uint64_t k, std::size_t i) {
 
 constexpr std::uint64_t send_bit = std::uint64_t{1} << 32;
 
-task<void> run_connection(client& cl, int number) {
-    const config& cfg = cl.cfg;
-    const std::uint32_t size = cfg.size, window = cfg.inflight;
-    const std::string where = echo::text_of(reinterpret_cast<const sockaddr*>(&cl.server));
-    const std::stop_token stop = cl.stopping.get_token();
-    // Slot s of each half: the message k = s (mod window) going out, and a reply coming in.
-    // Declared before the QP, so that they outlive it.
-    std::vector<std::byte> buffers(2 * std::size_t{window} * size);
-    std::optional<verbs::memory_region> mr;
-    // Each attempt makes its own connection (id, CQ and QP, on the device's shared PD and
-    // completion channel: connect()); the next one (or the coroutine's end) destroys it.
-    std::optional<ringverbs::connection> conn;
-    connection_options options;
-    options.caps = verbs::qp_caps{.max_send_wr = window, .max_recv_wr = window};
-    options.completion.mode = cfg.mode;
-    options.step_timeout = 10s;
+constexpr const char* device_gone = "the RDMA device is gone (removed, or failed for good)";
 
-    echo::server_hello hello{};
+// One connection's life, in named steps: connect (retrying what another attempt may pass),
+// start (the first receives and the first window of messages), then the exchange of --count
+// messages, each reply checked byte for byte, beside a watch for the server's disconnect;
+// then the close. Slot s of each half of the buffers: the message k = s (mod window) going
+// out, and a reply coming in.
+class session {
+  public:
+    session(client& cl, int number)
+        : cl_(cl), cfg_(cl.cfg), number_(number), size_(cl.cfg.size), window_(cl.cfg.inflight),
+          where_(echo::text_of(reinterpret_cast<const sockaddr*>(&cl.server))),
+          stop_(cl.stopping.get_token()), buffers_(2 * std::size_t{window_} * size_),
+          sent_at_(window_), done_(window_, 0) {}
+    session(const session&) = delete;
+    session& operator=(const session&) = delete;
+
+    // Throws std::runtime_error saying why the connection failed; returns when it ended well or
+    // SIGINT stopped it.
+    task<void> run();
+
+  private:
+    task<bool> connect_with_retries();
+    void start();
+    task<void> exchange();
+    task<void> watch_disconnect();
+    task<void> close(std::string why);
+    std::string interrupted_reason();
+    std::string failed_reason(const ibv_wc& wc);
+    std::string take_reply(const ibv_wc& wc);
+    std::string send_ready();
+    std::string oversize_note() const;
+    std::string post_failed(const std::system_error& e);
+    void post_receive(std::uint64_t slot);
+    void post_message(std::uint64_t k);
+    std::byte* out() noexcept { return buffers_.data(); }
+    std::byte* in() noexcept { return buffers_.data() + std::size_t{window_} * size_; }
+
+    client& cl_;
+    const config& cfg_;
+    const int number_;
+    const std::uint32_t size_, window_;
+    const std::string where_;
+    const std::stop_token stop_;
+    // Declared before the connection, so that they outlive its QP.
+    std::vector<std::byte> buffers_;
+    std::vector<clock_type::time_point> sent_at_;
+    // A slot is free for its next message when the reply is back (+1) and the send is done (+1).
+    std::vector<int> done_;
+    std::optional<verbs::memory_region> mr_;
+    // Each attempt makes its own connection (id, CQ and QP, on the device's shared PD and
+    // completion channel: connect()); the next one (or the session's end) destroys it.
+    std::optional<ringverbs::connection> conn_;
+    std::uint32_t server_max_ = 0, server_depth_ = 0; // what the server said it takes
+    ibv_sge sge_{};
+    std::uint64_t next_ = 0;     // the next message to send
+    std::uint64_t received_ = 0; // replies verified
+    std::uint64_t receives_ = 0; // receives posted so far
+    std::size_t posted_ = 0;     // requests owed a completion
+    std::string post_error_;     // why the last post failed (posted through verbs, which throw)
+    std::string error_;          // why the connection closed ("" when it ended well)
+    bool closing_ = false;
+    // The completion wait ends on SIGINT and on the server's disconnect (wake_); the watch of
+    // the disconnect ends with the exchange (exchanged_).
+    std::stop_source wake_, exchanged_;
+};
+
+task<void> session::run() {
+    const bool connected = co_await connect_with_retries();
+    if (!connected) co_return; // SIGINT while waiting for a turn
+    start();
+    std::stop_callback forward_stop(cl_.stopping.get_token(),
+                                    [this]() noexcept { wake_.request_stop(); });
+    co_await when_all(exchange(), watch_disconnect());
+    // Every request is back (flushed ones too, after a close): the buffers are ours again.
+    if (!closing_) co_await close("");
+    if (!error_.empty()) {
+        throw std::runtime_error("connection " + std::to_string(number_) + " to " + where_ + ": " +
+                                 error_ + " after " + std::to_string(received_) + " of " +
+                                 std::to_string(cfg_.count) + " messages");
+    }
+}
+
+// Waits for a turn (--connect-concurrency), then connects; a failure another attempt may pass
+// (busy, a timeout) is tried again after a backoff, the turn going to the next connection
+// meanwhile. Returns false on SIGINT while waiting for a turn; throws why it cannot connect.
+task<bool> session::connect_with_retries() {
+    connection_options options;
+    options.caps = verbs::qp_caps{.max_send_wr = window_, .max_recv_wr = window_};
+    options.completion.mode = cfg_.mode;
+    options.step_timeout = 10s;
     turn my_turn;
-    co_await cl.connecting.acquire();
-    my_turn.hold(cl.connecting);
-    if (stop.stop_requested()) co_return; // SIGINT while waiting for the turn
+    co_await cl_.connecting.acquire();
+    my_turn.hold(cl_.connecting);
+    if (stop_.stop_requested()) co_return false;
     const auto first_turn = clock_type::now();
     for (int attempt = 1;; ++attempt) {
-        conn.reset();
+        conn_.reset();
         bool established = false, reached = true;
         setup_failure failure;
         try {
-            conn.emplace(co_await connect(cl.io, where, options, stop));
+            conn_.emplace(co_await connect(cl_.io, where_, options, stop_));
             established = true;
         } catch (const connection_rejected& e) {
             failure = classify(e);
@@ -251,244 +324,246 @@ task<void> run_connection(client& cl, int number) {
             reached = failure.text.find("rdma_resolve_") == std::string::npos;
         }
         if (established) break;
-        if (stop.stop_requested())
-            throw std::runtime_error("connection " + std::to_string(number) +
+        if (stop_.stop_requested())
+            throw std::runtime_error("connection " + std::to_string(number_) +
                                      ": interrupted before it was established");
-        if (!failure.retry || attempt >= cfg.connect_attempts) {
-            ++cl.connect_failures[failure.reason];
+        if (!failure.retry || attempt >= cfg_.connect_attempts) {
+            ++cl_.connect_failures[failure.reason];
             throw std::runtime_error(
-                std::string(reached ? "cannot connect to " : "cannot reach ") + where + ": " +
+                std::string(reached ? "cannot connect to " : "cannot reach ") + where_ + ": " +
                 failure.text +
                 (attempt > 1 ? " (" + std::to_string(attempt) + " attempts)" : std::string()));
         }
-        // Another try, later: the turn goes to the next connection meanwhile.
-        ++cl.retries;
+        ++cl_.retries;
         my_turn.give_back();
-        const result<void> slept = co_await nothrow(sleep_for(cl.io, backoff(cl, attempt), stop));
+        const result<void> slept =
+            co_await nothrow(sleep_for(cl_.io, backoff(cl_, attempt), stop_));
         if (!slept)
-            throw std::runtime_error("connection " + std::to_string(number) +
+            throw std::runtime_error("connection " + std::to_string(number_) +
                                      ": interrupted before it was established");
-        co_await cl.connecting.acquire();
-        my_turn.hold(cl.connecting);
-        if (stop.stop_requested()) co_return;
+        co_await cl_.connecting.acquire();
+        my_turn.hold(cl_.connecting);
+        if (stop_.stop_requested()) co_return false;
     }
     my_turn.give_back();
-    if (!cfg.device.empty() && conn->device().name() != cfg.device)
-        throw std::runtime_error("the route to " + where + " goes through device " +
-                                 std::string(conn->device().name()) + ", not " + cfg.device);
-    mr.emplace(conn->pd(), buffers);
-    if (const auto data = conn->peer_data(); data.size() >= sizeof hello)
-        std::memcpy(&hello, data.data(), sizeof hello);
-    qp& q = conn->queue_pair();
-    cq& completions = conn->completions();
-    cm_id& id = conn->id();
-    ++cl.connected;
-    cl.connect_time.add(
+    if (!cfg_.device.empty() && conn_->device().name() != cfg_.device)
+        throw std::runtime_error("the route to " + where_ + " goes through device " +
+                                 std::string(conn_->device().name()) + ", not " + cfg_.device);
+    mr_.emplace(conn_->pd(), buffers_);
+    ++cl_.connected;
+    cl_.connect_time.add(
         std::chrono::duration<double, std::micro>(clock_type::now() - first_turn).count());
+    co_return true;
+}
 
-    std::byte* const out = buffers.data();
-    std::byte* const in = buffers.data() + std::size_t{window} * size;
-    ibv_sge sge{};
-    std::string post_error; // why the last post failed (posted through verbs, which throw)
-    const std::string gone = "the RDMA device is gone (removed, or failed for good)";
-    auto post_receive = [&](std::uint64_t slot) {
-        sge = {reinterpret_cast<std::uintptr_t>(in + slot * size), size, mr->native()->lkey};
-        ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge, .num_sge = 1};
-        q.native_qp().post_recv(wr);
-    };
-    std::vector<clock_type::time_point> sent_at(window);
-    auto post_message = [&](std::uint64_t k) {
-        const std::uint64_t slot = k % window;
-        for (std::size_t i = 0; i < size; ++i)
-            out[slot * size + i] = pattern(number, k, i);
-        sge = {reinterpret_cast<std::uintptr_t>(out + slot * size), size, mr->native()->lkey};
-        ibv_send_wr wr{};
-        wr.wr_id = slot | send_bit;
-        wr.sg_list = &sge;
-        wr.num_sge = 1;
-        wr.opcode = IBV_WR_SEND;
-        wr.send_flags = IBV_SEND_SIGNALED;
-        sent_at[slot] = clock_type::now();
-        q.native_qp().post_send(wr);
-    };
-    // Receives first (the server sends nothing but replies, so after the connect is in time).
-    std::uint64_t receives = std::min<std::uint64_t>(window, cfg.count); // posted so far
-    for (std::uint64_t slot = 0; slot < receives; ++slot)
-        post_receive(slot);
-
-    const std::uint32_t server_max = ntohl(hello.max_size), server_depth = ntohl(hello.depth);
-    if (server_depth != 0 && window > server_depth)
+// The connection is up: what the server takes (its accept's private data), warned about when
+// exceeded; the receives first (the server sends nothing but replies), then the first window
+// of messages.
+void session::start() {
+    echo::server_hello hello{};
+    if (const auto data = conn_->peer_data(); data.size() >= sizeof hello)
+        std::memcpy(&hello, data.data(), sizeof hello);
+    server_max_ = ntohl(hello.max_size);
+    server_depth_ = ntohl(hello.depth);
+    const bool iwarp = conn_->device().native()->device->transport_type == IBV_TRANSPORT_IWARP;
+    if (server_depth_ != 0 && iwarp && std::uint64_t{2} * window_ > server_depth_)
+        // The server posts a buffer's receive again once its echo's send completed, while the
+        // echo's arrival already lets this side send the next message.
+        std::fprintf(stderr,
+                     "echo_client: connection %d: --inflight %u is more than half the %u receives "
+                     "the server posts: on iWARP (no RNR) a message that arrives before the "
+                     "server posted its receive again ends the connection\n",
+                     number_, window_, server_depth_);
+    else if (server_depth_ != 0 && window_ > server_depth_)
         std::fprintf(
             stderr,
             "echo_client: connection %d: --inflight %u exceeds the %u receives the server posts: "
             "receiver-not-ready retries will slow it down a lot\n",
-            number, window, server_depth);
-    if (server_max != 0 && size > server_max)
+            number_, window_, server_depth_);
+    if (server_max_ != 0 && size_ > server_max_)
         std::fprintf(stderr,
                      "echo_client: connection %d: --size %u exceeds the %u bytes the server takes: "
                      "it will close the connection\n",
-                     number, size, server_max);
+                     number_, size_, server_max_);
+    receives_ = std::min<std::uint64_t>(window_, cfg_.count);
+    for (std::uint64_t slot = 0; slot < receives_; ++slot)
+        post_receive(slot);
+    posted_ = receives_;
+    for (; next_ < std::min<std::uint64_t>(window_, cfg_.count); ++next_, ++posted_)
+        post_message(next_);
+}
 
-    // A slot is free for its next message when the reply is back (+1) and the send is done (+1).
-    std::vector<int> done(window, 0);
-    std::uint64_t next = 0, received = 0;
-    std::size_t posted = receives; // requests owed a completion
-    for (; next < std::min<std::uint64_t>(window, cfg.count); ++next, ++posted)
-        post_message(next);
-    std::string error;
-    bool closing = false;
-    auto close = [&](std::string why) -> task<void> {
-        if (closing) co_return;
-        closing = true;
-        error = std::move(why);
-        try {
-            co_await id.disconnect(wait_options(2s));
-        } catch (const std::exception&) {
-        }
-    };
-    // The completion wait ends on SIGINT, and on the server's disconnect. On iWARP a request
-    // posted after the TCP stream ended never completes: siw (Linux 6.1) fails the QP and
-    // flushes what is posted then (siw_qp_llp_close), but a receive posted later sits in the
-    // queue it shares with us, and a send's doorbell on a QP in ERROR flushes nothing
-    // (siw_post_send), so a client that did not run between its last completion and the close
-    // (stopped, or slow) waits for nothing. rdma_cm's DISCONNECTED does come: watched here.
-    std::stop_source wake;
-    std::stop_callback forward_stop(cl.stopping.get_token(),
-                                    [&wake]() noexcept { wake.request_stop(); });
-    std::stop_source exchanged; // the exchange below is over: ends the watch
-    auto watch_disconnect = [&]() -> task<void> {
-        const wait_options until_exchanged(exchanged.get_token());
-        const result<void> gone = co_await nothrow(id.disconnected(until_exchanged));
-        if (gone) wake.request_stop(); // else the exchange ended first
-    };
-    struct end_watch {
+// Until every request posted is back: each completion read, a reply checked and its slot's
+// next message sent; the first failure closes the connection, and the flushes are awaited.
+task<void> session::exchange() {
+    struct end_watch { // also if the exchange throws: when_all ends
         std::stop_source& exchanged;
         ~end_watch() { exchanged.request_stop(); }
-    };
-    // Why the server may have closed: messages larger than it takes.
-    auto oversize_note = [&]() -> std::string {
-        if (server_max == 0 || size <= server_max) return {};
-        return " (messages of " + std::to_string(size) + " bytes, the server takes " +
-               std::to_string(server_max) + ")";
-    };
-    auto exchange = [&]() -> task<void> {
-        const end_watch ended{exchanged}; // also if the exchange throws: when_all ends
-        while (posted > 0) {
-            ibv_wc wc{};
-            // Once closing, only the flushes are awaited, and not forever (see echo_server.cpp).
-            // Before, nothing completing for --reply-timeout closes the connection: a peer cut off
-            // by a partition may never send the DREQ that would flush our receives.
-            const std::chrono::seconds quiet(cfg.reply_timeout);
-            const wait_options wait = closing             ? wait_options(5s)
-                                      : quiet.count() > 0 ? wait_options(quiet, wake.get_token())
-                                                          : wait_options(wake.get_token());
-            result<ibv_wc> polled = co_await nothrow(completions.next(wait));
-            const bool interrupted = !polled;
-            const bool timed_out = polled.error() == std::errc::timed_out;
-            // The device went away: that is why the connection ends, whatever was seen first (a
-            // post to its QP refused, completions flushed).
-            if (polled.error() == std::errc::no_such_device) post_error = error = polled.what();
-            if (polled) wc = *polled;
-            if (interrupted && closing) break;
-            if (timed_out) {
+    } const ended{exchanged_};
+    cq& completions = conn_->completions();
+    while (posted_ > 0) {
+        // Once closing, only the flushes are awaited, and not forever (see
+        // echo_server/connection.cpp). Before, nothing completing for --reply-timeout closes the
+        // connection: a peer cut off by a partition may never send the DREQ that would flush
+        // our receives.
+        const std::chrono::seconds quiet(cfg_.reply_timeout);
+        const wait_options wait = closing_            ? wait_options(5s)
+                                  : quiet.count() > 0 ? wait_options(quiet, wake_.get_token())
+                                                      : wait_options(wake_.get_token());
+        const result<ibv_wc> polled = co_await nothrow(completions.next(wait));
+        // The device went away: that is why the connection ends, whatever was seen first (a
+        // post to its QP refused, completions flushed).
+        if (polled.error() == std::errc::no_such_device) post_error_ = error_ = polled.what();
+        if (!polled) {
+            if (closing_) break;
+            if (polled.error() == std::errc::timed_out) {
                 co_await close("no reply for " + std::to_string(quiet.count()) +
                                " s (--reply-timeout)");
                 continue;
             }
-            if (interrupted) {
-                // Named first: GCC 12 mishandles a temporary of a ?: inside a co_await expression.
-                std::string why = !post_error.empty()            ? post_error
-                                  : cl.stopping.stop_requested() ? std::string("interrupted")
-                                  : id.is_disconnected()
-                                      ? std::string("the server closed the connection")
-                                      : std::string("interrupted");
-                if (why == "the server closed the connection") why += oversize_note();
-                co_await close(std::move(why));
-                continue;
-            }
-            --posted;
-            const std::uint64_t slot = wc.wr_id & ~send_bit;
-            if (wc.status != IBV_WC_SUCCESS) {
-                // A flush we did not cause (not closing yet, no request failed first): on
-                // iWARP the QP fails as the TCP stream ends, before rdma_cm's DISCONNECTED: the
-                // server closed the connection. On IB/RoCE the QP goes to error only when
-                // DISCONNECTED is read (the runtime answers it with rdma_disconnect), so a
-                // flush before it is a local failure of the QP.
-                const bool iwarp =
-                    id.native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
-                std::string why =
-                    completions.device_lost() ? gone
-                    : id.is_disconnected() || (iwarp && wc.status == IBV_WC_WR_FLUSH_ERR)
-                        ? "the server closed the connection"
-                        : std::string(wc.wr_id & send_bit ? "send" : "receive") +
-                              " failed: " + ibv_wc_status_str(wc.status) +
-                              (wc.status == IBV_WC_WR_FLUSH_ERR
-                                   ? " (the QP went to the error state)"
-                                   : "");
-                why += oversize_note();
-                co_await close(why);
-                continue;
-            }
-            if (closing) continue;
-            if (wc.opcode == IBV_WC_RECV) {
-                const std::byte* got = in + slot * size;
-                bool same = wc.byte_len == size;
-                for (std::size_t i = 0; same && i < size; ++i)
-                    same = got[i] == pattern(number, received, i);
-                if (!same) {
-                    co_await close("reply " + std::to_string(received) +
-                                   " differs from the message sent");
-                    continue;
-                }
-                cl.latency.add(std::chrono::duration<double, std::micro>(clock_type::now() -
-                                                                         sent_at[received % window])
-                                   .count());
-                ++cl.verified;
-                ++done[received % window];
-                ++received;
-                if (receives < cfg.count) {
-                    try {
-                        post_receive(slot);
-                    } catch (const std::system_error& e) {
-                        post_error = e.what(); // a co_await may not be in a handler
-                    }
-                    if (!post_error.empty()) {
-                        std::string why = completions.device_lost() ? gone : post_error;
-                        co_await close(std::move(why));
-                        continue;
-                    }
-                    ++receives;
-                    ++posted;
-                }
-            } else {
-                ++done[slot];
-            }
-            // Send the next message in every slot whose reply and send are both back.
-            while (next < cfg.count && done[next % window] == 2) {
-                done[next % window] = 0;
-                try {
-                    post_message(next);
-                } catch (const std::system_error& e) {
-                    post_error = e.what();
-                    break;
-                }
-                ++next;
-                ++posted;
-            }
-            if (!post_error.empty()) {
-                std::string why = completions.device_lost() ? gone : post_error;
-                co_await close(std::move(why));
-            }
+            std::string why = interrupted_reason();
+            co_await close(std::move(why));
+            continue;
         }
-    };
-    co_await when_all(exchange(), watch_disconnect());
-    // Every request is back (flushed ones too, after a close): the buffers are ours again.
-    if (!closing) co_await close("");
-    if (!error.empty()) {
-        throw std::runtime_error("connection " + std::to_string(number) + " to " + where + ": " +
-                                 error + " after " + std::to_string(received) + " of " +
-                                 std::to_string(cfg.count) + " messages");
+        const ibv_wc& wc = *polled;
+        --posted_;
+        std::string why;
+        if (wc.status != IBV_WC_SUCCESS)
+            why = failed_reason(wc);
+        else if (closing_)
+            continue;
+        else if (wc.opcode == IBV_WC_RECV)
+            why = take_reply(wc);
+        else
+            ++done_[wc.wr_id & ~send_bit];
+        if (why.empty()) why = send_ready();
+        if (!why.empty()) co_await close(std::move(why));
     }
+}
+
+// On iWARP a request posted after the TCP stream ended never completes: siw (Linux 6.1) fails
+// the QP and flushes what is posted then (siw_qp_llp_close), but a receive posted later sits
+// in the queue it shares with us, and a send's doorbell on a QP in ERROR flushes nothing
+// (siw_post_send), so a client that did not run between its last completion and the close
+// (stopped, or slow) waits for nothing. rdma_cm's DISCONNECTED does come: it wakes the wait.
+task<void> session::watch_disconnect() {
+    const wait_options until_exchanged(exchanged_.get_token());
+    const result<void> gone = co_await nothrow(conn_->id().disconnected(until_exchanged));
+    if (gone) wake_.request_stop(); // else the exchange ended first
+}
+
+// Closes once, for the first reason (none: the exchange ended well); what is posted flushes.
+task<void> session::close(std::string why) {
+    if (closing_) co_return;
+    closing_ = true;
+    error_ = std::move(why);
+    const result<void> ended = co_await nothrow(conn_->id().disconnect(wait_options(2s)));
+    (void)ended; // the server is gone without a word: the flush comes all the same
+}
+
+// Why the completion wait ended without a completion (not its timeout).
+std::string session::interrupted_reason() {
+    if (!post_error_.empty()) return post_error_;
+    if (cl_.stopping.stop_requested()) return "interrupted";
+    if (conn_->id().is_disconnected()) return "the server closed the connection" + oversize_note();
+    return "interrupted";
+}
+
+// A failed completion while not closing (no request failed first).
+std::string session::failed_reason(const ibv_wc& wc) {
+    if (conn_->completions().device_lost()) return device_gone + oversize_note();
+    // A flush we did not cause: on iWARP the QP fails as the TCP stream ends, before rdma_cm's
+    // DISCONNECTED: the server closed the connection. On IB/RoCE the QP goes to error only when
+    // DISCONNECTED is read (the runtime answers it with rdma_disconnect), so a flush before it
+    // is a local failure of the QP.
+    const bool iwarp = conn_->id().native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
+    if (conn_->id().is_disconnected() || (iwarp && wc.status == IBV_WC_WR_FLUSH_ERR))
+        return "the server closed the connection" + oversize_note();
+    return std::string(wc.wr_id & send_bit ? "send" : "receive") +
+           " failed: " + ibv_wc_status_str(wc.status) +
+           (wc.status == IBV_WC_WR_FLUSH_ERR ? " (the QP went to the error state)" : "") +
+           oversize_note();
+}
+
+// A reply: checked byte for byte against the message it answers, timed, and its slot's receive
+// posted again. Returns why the connection must close, or "".
+std::string session::take_reply(const ibv_wc& wc) {
+    const std::uint64_t slot = wc.wr_id & ~send_bit;
+    const std::byte* got = in() + slot * size_;
+    bool same = wc.byte_len == size_;
+    for (std::size_t i = 0; same && i < size_; ++i)
+        same = got[i] == pattern(number_, received_, i);
+    if (!same) return "reply " + std::to_string(received_) + " differs from the message sent";
+    cl_.latency.add(
+        std::chrono::duration<double, std::micro>(clock_type::now() - sent_at_[received_ % window_])
+            .count());
+    ++cl_.verified;
+    ++done_[received_ % window_];
+    ++received_;
+    if (receives_ < cfg_.count) {
+        try {
+            post_receive(slot);
+        } catch (const std::system_error& e) {
+            return post_failed(e);
+        }
+        ++receives_;
+        ++posted_;
+    }
+    return {};
+}
+
+// Sends the next message in every slot whose reply and send are both back. Returns why the
+// connection must close (a post failed), or "".
+std::string session::send_ready() {
+    while (next_ < cfg_.count && done_[next_ % window_] == 2) {
+        done_[next_ % window_] = 0;
+        try {
+            post_message(next_);
+        } catch (const std::system_error& e) {
+            return post_failed(e);
+        }
+        ++next_;
+        ++posted_;
+    }
+    return {};
+}
+
+std::string session::post_failed(const std::system_error& e) {
+    post_error_ = e.what();
+    return conn_->completions().device_lost() ? std::string(device_gone) : post_error_;
+}
+
+// Why the server may have closed: messages larger than it takes.
+std::string session::oversize_note() const {
+    if (server_max_ == 0 || size_ <= server_max_) return {};
+    return " (messages of " + std::to_string(size_) + " bytes, the server takes " +
+           std::to_string(server_max_) + ")";
+}
+
+void session::post_receive(std::uint64_t slot) {
+    sge_ = {reinterpret_cast<std::uintptr_t>(in() + slot * size_), size_, mr_->native()->lkey};
+    ibv_recv_wr wr{.wr_id = slot, .next = nullptr, .sg_list = &sge_, .num_sge = 1};
+    conn_->queue_pair().native_qp().post_recv(wr);
+}
+
+void session::post_message(std::uint64_t k) {
+    const std::uint64_t slot = k % window_;
+    for (std::size_t i = 0; i < size_; ++i)
+        out()[slot * size_ + i] = pattern(number_, k, i);
+    sge_ = {reinterpret_cast<std::uintptr_t>(out() + slot * size_), size_, mr_->native()->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = slot | send_bit;
+    wr.sg_list = &sge_;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    sent_at_[slot] = clock_type::now();
+    conn_->queue_pair().native_qp().post_send(wr);
+}
+
+task<void> run_connection(client& cl, int number) {
+    session s(cl, number);
+    co_await s.run();
 }
 
 task<void> guarded(client& cl, int number) {

@@ -1,4 +1,4 @@
-// What examples/echo_server.cpp and examples/echo_client.cpp share: addresses, options, the
+// What examples/echo_server/ and examples/echo_client.cpp share: addresses, options, the
 // device check, and the few bytes the server tells each client.
 #pragma once
 

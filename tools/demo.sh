@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ringverbs demo: the rdma_cm echo server and its client (examples/echo_server.cpp,
+# The ringverbs demo: the rdma_cm echo server and its client (examples/echo_server/,
 # examples/echo_client.cpp). Installs what is missing first (as root on Debian 12), builds,
 # and runs both where a real RDMA device exists: directly, or in one Soft-RoCE VM boot
 # (tools/softroce-vm) when the host has none.

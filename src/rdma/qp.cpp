@@ -552,8 +552,8 @@ ibv_wc qp::request::await_resume() {
     // A posted request cannot be recalled: the stop or the deadline moved the QP to error.
     if (stop_won() || interrupted == ECANCELED)
         throw_system_error(ECANCELED, what +
-                                          ": cancelled by its stop_token (the QP was moved to "
-                                          "the error state to end it)" +
+                                          ": cancelled (its stop_token, or the io_context's "
+                                          "end; the QP was moved to the error state to end it)" +
                                           note);
     if (interrupted == ETIMEDOUT)
         throw_system_error(ETIMEDOUT, what +

@@ -21,10 +21,11 @@ inline std::error_code make_error_code(ibv_wc_status s) noexcept {
 
 // Thrown by a per-request await whose work completion failed. code() is the ibv_wc_status in
 // wc_status_category(), whose message() is ibv_wc_status_str and, for the statuses whose text
-// is terse (RNR and transport retries exceeded, remote access and request errors), what it
-// usually means; what() reads "<operation> (status N, vendor_err M): <message>", e.g.
-// "ibv_post_send(SEND) (status 13, vendor_err 0): RNR retry counter exceeded: the peer had no
-// receive posted (RNR) through every retry (verbs::rts_params::rnr_retry, ...)".
+// is terse (RNR and transport retries exceeded, remote access, operation and request errors,
+// length, protection and QP operation errors, flushes), what it usually means; what() reads
+// "<request> (status N, vendor_err M): <message>", e.g. "the send (ibv_post_send(SEND)) on qp
+// 17 (status 13, vendor_err 0): RNR retry counter exceeded: the peer had no receive posted
+// (RNR) through every retry (verbs::rts_params::rnr_retry, ...)".
 // A request cancelled through its stop_token or timeout throws std::system_error with
 // errc::operation_canceled / errc::timed_out instead, once its flush completion arrived.
 class completion_error : public std::system_error {
