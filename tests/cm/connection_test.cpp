@@ -38,15 +38,16 @@ bool contains(const std::string& text, const char* part) {
     return text.find(part) != std::string::npos;
 }
 
-// One message each way on an established pair, verified.
-task<void> exchange(connection& a, connection& b, std::uint8_t seed) {
+// One message from a to b on an established pair, verified; each await bounded by `w` (on a
+// dead completion channel a bounded exchange ends instead of waiting).
+task<void> exchange(connection& a, connection& b, std::uint8_t seed, wait_options w = {}) {
     std::vector<std::byte> out(512), in(512);
     for (std::size_t i = 0; i < out.size(); ++i)
         out[i] = std::byte(seed + i);
     verbs::memory_region mr_out(a.pd(), out), mr_in(b.pd(), in);
-    auto r = b.recv(local_buffer(mr_in, in));
+    auto r = b.recv(local_buffer(mr_in, in), w);
     r.post();
-    co_await a.send(local_buffer(mr_out, out));
+    co_await a.send(local_buffer(mr_out, out), {}, w);
     ibv_wc wc = co_await r;
     CHECK(wc.byte_len == 512);
     CHECK(std::memcmp(in.data(), out.data(), 512) == 0);
@@ -1100,24 +1101,6 @@ TEST_CASE("accept() with a stop already requested ends with operation_canceled e
     io.run(run());
 }
 
-namespace {
-
-// exchange(), each await bounded: on a dead completion channel it ends instead of waiting.
-task<void> bounded_exchange(connection& a, connection& b, std::uint8_t seed) {
-    std::vector<std::byte> out(512), in(512);
-    for (std::size_t i = 0; i < out.size(); ++i)
-        out[i] = std::byte(seed + i);
-    verbs::memory_region mr_out(a.pd(), out), mr_in(b.pd(), in);
-    auto r = b.recv(local_buffer(mr_in, in), wait_options(5s));
-    r.post();
-    co_await a.send(local_buffer(mr_out, out), {}, wait_options(5s));
-    ibv_wc wc = co_await r;
-    CHECK(wc.byte_len == 512);
-    CHECK(std::memcmp(in.data(), out.data(), 512) == 0);
-}
-
-} // namespace
-
 // Review (issue 22 follow-up), finding 6: the completion channel connect() and the listener
 // share per thread and device (channel_of) was kept after it failed, as cm_channel_of kept a
 // failed rdma_cm channel before 66d7f8c: every later connection on it waited for completions
@@ -1161,8 +1144,8 @@ TEST_CASE("a failed completion channel is not reused: the next connection on the
         ::close(saved);
         auto [s2, c2] = co_await when_all(l.accept(wait_options(10s)), connect(io, at));
         CHECK(c2.completions().native()->channel->fd != fd);
-        co_await bounded_exchange(c2, s2, 33);
-        co_await bounded_exchange(s2, c2, 34);
+        co_await exchange(c2, s2, 33, wait_options(5s));
+        co_await exchange(s2, c2, 34, wait_options(5s));
     };
     io.run(run());
 }
