@@ -14,12 +14,14 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <deque>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <new>
@@ -93,6 +95,26 @@ std::string address_text(const sockaddr* a) {
         const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a);
         inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof text);
         return "[" + std::string(text) + "]:" + std::to_string(ntohs(in6->sin6_port));
+    }
+    return "?";
+}
+
+std::string peer_host(const sockaddr* a) {
+    char text[INET6_ADDRSTRLEN] = {};
+    if (a != nullptr && a->sa_family == AF_INET) {
+        inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a)->sin_addr, text, sizeof text);
+        return text;
+    }
+    if (a != nullptr && a->sa_family == AF_INET6) {
+        in6_addr addr = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
+        if (IN6_IS_ADDR_V4MAPPED(&addr)) { // an IPv4 host, as the IPv4 listener sees it
+            inet_ntop(AF_INET, &addr.s6_addr[12], text, sizeof text);
+            return text;
+        }
+        // One host, one /64: privacy addresses come from the host's whole prefix.
+        std::fill(std::begin(addr.s6_addr) + 8, std::end(addr.s6_addr), std::uint8_t{0});
+        inet_ntop(AF_INET6, &addr, text, sizeof text);
+        return std::string(text) + "/64";
     }
     return "?";
 }
@@ -655,7 +677,7 @@ void take_request(const std::shared_ptr<listener::state>& s, cm_id request, int 
         return;
     }
     const std::string from = detail::address_text(rdma_get_peer_addr(request.native()));
-    std::string host = from.substr(0, from.rfind(':')); // "198.18.0.2", "[fe80::1]"
+    std::string host = detail::peer_host(rdma_get_peer_addr(request.native()));
     const connection_options& o = s->options;
     if (s->handshakes >= o.max_handshakes) {
         reject_busy(*s, request, from, "too many handshakes under way");

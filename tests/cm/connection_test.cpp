@@ -507,6 +507,28 @@ TEST_CASE("requests beyond connection_options::max_handshakes are rejected at on
     CHECK(rejected);
 }
 
+// Review of 42b691d: keyed by the whole IPv6 address, one host's privacy addresses (its /64)
+// would each get max_handshakes_per_peer.
+TEST_CASE("peer_host: an IPv4 address as itself, also IPv4-mapped; an IPv6 address as its /64") {
+    sockaddr_in v4{};
+    v4.sin_family = AF_INET;
+    v4.sin_port = htons(40123);
+    inet_pton(AF_INET, "198.18.0.2", &v4.sin_addr);
+    CHECK(detail::peer_host(reinterpret_cast<const sockaddr*>(&v4)) == "198.18.0.2");
+    sockaddr_in6 v6{};
+    v6.sin6_family = AF_INET6;
+    inet_pton(AF_INET6, "::ffff:198.18.0.2", &v6.sin6_addr);
+    CHECK(detail::peer_host(reinterpret_cast<const sockaddr*>(&v6)) == "198.18.0.2");
+    inet_pton(AF_INET6, "fd00::1:2:3:4", &v6.sin6_addr);
+    const std::string one = detail::peer_host(reinterpret_cast<const sockaddr*>(&v6));
+    inet_pton(AF_INET6, "fd00::99:2:3:5", &v6.sin6_addr);
+    CHECK(detail::peer_host(reinterpret_cast<const sockaddr*>(&v6)) == one);
+    CHECK(one == "fd00::/64");
+    inet_pton(AF_INET6, "fd00:0:0:1::1", &v6.sin6_addr);
+    CHECK(detail::peer_host(reinterpret_cast<const sockaddr*>(&v6)) == "fd00:0:0:1::/64");
+    CHECK(detail::peer_host(nullptr) == "?");
+}
+
 // Review (not run): one host holding max_handshakes unfinished handshakes made every other
 // client "busy" for 15 s at a time. Two hosts here: the device's IPv4 and IPv6 addresses.
 TEST_CASE("one host holds at most max_handshakes_per_peer unfinished handshakes: its next "

@@ -79,7 +79,8 @@ struct connection_options {
     // peer that never completes its own costs only one of these. A request beyond the bound is
     // rejected at once with the private data "busy: too many handshakes under way".
     std::uint32_t max_handshakes = 64;
-    // Listener: of those, at most this many from one peer host (its address, any port), so
+    // Listener: of those, at most this many from one peer host (detail::peer_host: its IPv4
+    // address, or its IPv6 /64; any port), so
     // that one host holding unfinished handshakes (stopped clients, a flood) leaves room for
     // the others. Beyond it its requests are rejected with "busy: too many handshakes under way
     // from your address". 0: no per-host bound. (A host's established connections are not
@@ -268,6 +269,10 @@ namespace detail {
 void split_host_port(std::string_view text, std::string& host, std::string& port, const char* who);
 // An address as text: "198.18.0.2:40123", "[fe80::1]:7471" (and "?" for other families).
 std::string address_text(const sockaddr* a);
+// The host an address belongs to, for connection_options::max_handshakes_per_peer: an IPv4
+// address (also IPv4-mapped IPv6) as itself, "198.18.0.2"; an IPv6 address as its /64,
+// "fd00::/64" (a host's privacy addresses share it); "?" for other families.
+std::string peer_host(const sockaddr* a);
 // The bound connect() gives each of its steps for connection_options::step_timeout:
 // no_timeout stands for cm_channel_options' default step_timeout (15 s), else it is itself.
 std::chrono::nanoseconds connect_step_bound(std::chrono::nanoseconds step_timeout) noexcept;
