@@ -3,6 +3,8 @@
 
 #include "rdma_fixture.hpp"
 
+#include <ringverbs/engine/nothrow.hpp>
+
 #include <arpa/inet.h>
 #include <rdma/rdma_cma.h>
 
@@ -19,6 +21,11 @@ namespace rt {
 
 inline std::errc errc_of(const std::system_error& e) {
     return static_cast<std::errc>(e.code().value());
+}
+// What co_await nothrow(aw) says: std::errc{} when it succeeded.
+template <typename T>
+std::errc errc_of(const ringverbs::result<T>& r) {
+    return static_cast<std::errc>(r.error().value());
 }
 
 // The IPv4 address of the test device: $RINGVERBS_ADDR (the VM harness), else the address its

@@ -2,6 +2,7 @@
 // the watcher's own rules (one per context, timeouts, destruction).
 #include "rdma_fixture.hpp"
 
+#include <ringverbs/engine/nothrow.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/device_events.hpp>
@@ -23,6 +24,11 @@ using namespace std::chrono_literals;
 namespace {
 std::errc errc_of(const std::system_error& e) {
     return static_cast<std::errc>(e.code().value());
+}
+// What co_await nothrow(aw) says: std::errc{} when it succeeded.
+template <typename T>
+std::errc errc_of(const result<T>& r) {
+    return static_cast<std::errc>(r.error().value());
 }
 
 // Posts `count` signaled RDMA writes on `a` through verbs while no loop polls its CQ.
@@ -157,23 +163,13 @@ TEST_CASE("device_events: one watcher per context; next() ends by timeout, stop_
         CHECK(std::string(e.what()).find("device_events") != std::string::npos);
     }
     auto timed = [&]() -> task<std::errc> {
-        try {
-            (void)co_await events->next(wait_options(20ms));
-        } catch (const std::system_error& e) {
-            co_return errc_of(e);
-        }
-        co_return std::errc{};
+        co_return errc_of(co_await nothrow(events->next(wait_options(20ms))));
     };
     CHECK(io.run(timed()) == std::errc::timed_out);
 
     std::stop_source src;
     auto stopped = [&]() -> task<std::errc> {
-        try {
-            (void)co_await events->next(wait_options(src.get_token()));
-        } catch (const std::system_error& e) {
-            co_return errc_of(e);
-        }
-        co_return std::errc{};
+        co_return errc_of(co_await nothrow(events->next(wait_options(src.get_token()))));
     };
     auto stopper = [&]() -> task<void> {
         co_await sleep_for(io, 10ms);
@@ -184,12 +180,7 @@ TEST_CASE("device_events: one watcher per context; next() ends by timeout, stop_
     CHECK(err == std::errc::operation_canceled);
 
     auto orphaned = [&]() -> task<std::errc> {
-        try {
-            (void)co_await events->next();
-        } catch (const std::system_error& e) {
-            co_return errc_of(e);
-        }
-        co_return std::errc{};
+        co_return errc_of(co_await nothrow(events->next()));
     };
     auto killer = [&]() -> task<void> {
         co_await sleep_for(io, 10ms);
