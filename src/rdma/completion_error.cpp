@@ -1,5 +1,8 @@
 #include <ringverbs/rdma/completion_error.hpp>
 
+#include <ringverbs/rdma/detail/outcome.hpp>
+#include <ringverbs/rdma/detail/rdma_state.hpp>
+
 namespace ringverbs {
 
 namespace {
@@ -71,5 +74,22 @@ connection_reset::connection_reset(const ibv_wc& wc, const char* operation)
                        std::string(operation) + ": the connection was closed (flushed, status " +
                            std::to_string(wc.status) + ": " + ibv_wc_status_str(wc.status) +
                            "; the peer disconnected, or this side did)") {}
+
+namespace detail {
+
+void throw_failed_completion(const ibv_wc& wc, const std::string& what, bool closed) {
+    if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == device_lost_vendor_err)
+        throw_system_error(ENODEV, what + ": the RDMA device is gone (removed, or failed for "
+                                          "good): the request never completed; its buffer is "
+                                          "free again");
+    if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == never_flushed_vendor_err)
+        throw_system_error(EIO, what + ": never flushed by the device: the QP was in the error "
+                                       "state for qp_options::flush_timeout with this request "
+                                       "owed, and was reset; its buffer is free again");
+    if (closed) throw connection_reset(wc, what.c_str());
+    throw completion_error(wc, what.c_str());
+}
+
+} // namespace detail
 
 } // namespace ringverbs

@@ -2,6 +2,7 @@
 #include <ringverbs/rdma/qp.hpp>
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/outcome.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
@@ -543,13 +544,9 @@ ibv_wc qp::request::await_resume() {
     const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
                                first_error_.vendor_err == never_flushed_vendor_err;
     const std::string what = described(name_, first_error_.qp_num);
-    if (first_error_.status == IBV_WC_WR_FLUSH_ERR &&
-        first_error_.vendor_err == device_lost_vendor_err && interrupted == 0 && !stop_won())
-        throw_system_error(ENODEV, what +
-                                       ": the RDMA device is gone (removed, or failed for good): "
-                                       "the request never completed; its buffer is free again");
     const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
-    // A posted request cannot be recalled: the stop or the deadline moved the QP to error.
+    // A posted request cannot be recalled: the stop or the deadline moved the QP to error,
+    // and says why the wait ended (also when the device went away meanwhile).
     if (stop_won() || interrupted == ECANCELED)
         throw_system_error(ECANCELED, what +
                                           ": cancelled (its stop_token, or the io_context's "
@@ -560,13 +557,7 @@ ibv_wc qp::request::await_resume() {
                                           ": no completion within its wait_options timeout "
                                           "(the QP was moved to the error state to end it)" +
                                           note);
-    if (closed_ && !never_flushed) throw connection_reset(first_error_, what.c_str());
-    if (never_flushed)
-        throw_system_error(EIO, what +
-                                    ": never flushed by the device: the QP was in the error state "
-                                    "for qp_options::flush_timeout with this request owed, and was "
-                                    "reset; its buffer is free again");
-    throw completion_error(first_error_, what.c_str());
+    detail::throw_failed_completion(first_error_, what, closed_);
 }
 
 std::shared_ptr<detail::srq_state> qp::shared_state(const qp_options& o) {

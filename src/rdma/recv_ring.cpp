@@ -2,6 +2,7 @@
 #include <ringverbs/rdma/recv_ring.hpp>
 
 #include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/detail/outcome.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
@@ -192,17 +193,7 @@ recv_ring::message recv_ring::next_awaitable::await_resume() {
                                        std::to_string(static_cast<int>(wc.opcode)) + ", slots of " +
                                        std::to_string(slot_size) +
                                        " bytes): the QP was moved to the error state");
-    if (wc.status != IBV_WC_SUCCESS) {
-        if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == detail::device_lost_vendor_err)
-            throw_system_error(ENODEV, "recv_ring::next: the RDMA device is gone (removed, or "
-                                       "failed for good)");
-        if (wc.status == IBV_WC_WR_FLUSH_ERR && wc.vendor_err == detail::never_flushed_vendor_err)
-            throw_system_error(EIO, "recv_ring::next: never flushed by the device: the QP was "
-                                    "in the error state for qp_options::flush_timeout and was "
-                                    "reset");
-        if (closed) throw connection_reset(wc, "recv_ring::next");
-        throw completion_error(wc, "recv_ring::next");
-    }
+    if (wc.status != IBV_WC_SUCCESS) detail::throw_failed_completion(wc, "recv_ring::next", closed);
     return {std::span<std::byte>(data, length), wc};
 }
 

@@ -4,6 +4,7 @@
 #include <ringverbs/engine/error.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/outcome.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/detail/mmap_keys.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
@@ -206,11 +207,13 @@ void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
 
 ibv_wc srq::request::await_resume() {
     finish_wait();
-    if (result_.status == IBV_WC_WR_FLUSH_ERR &&
-        result_.vendor_err == detail::device_lost_vendor_err)
-        throw_system_error(ENODEV, "ibv_post_srq_recv: the RDMA device is gone (removed, or failed "
-                                   "for good): the receive never completed");
-    if (result_.status != IBV_WC_SUCCESS) throw completion_error(result_, "ibv_post_srq_recv");
+    // Not connection_reset: the QP that took the receive, and so its connection, is known
+    // only by its number, which a new QP may carry by now.
+    if (result_.status != IBV_WC_SUCCESS) {
+        std::string what = "the shared receive (ibv_post_srq_recv)";
+        if (result_.qp_num != 0) what += " taken by qp " + std::to_string(result_.qp_num);
+        detail::throw_failed_completion(result_, what, false);
+    }
     return result_;
 }
 
