@@ -3,6 +3,7 @@
 
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
+#include <fcntl.h>
 #include <poll.h>
 
 #include <algorithm>
@@ -11,6 +12,158 @@
 namespace ringverbs {
 
 namespace detail {
+
+event_reader::event_reader(channel_state& ch)
+    : owner(&ch), ctx(ch.ctx), keep_open(ch.channel.handle()) {
+    for (slot& s : slots) {
+        s.reader = this;
+        s.on_cqe = &event_reader::cqe;
+    }
+}
+
+void event_reader::start() {
+    if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) {
+        ended_without_event(rc);
+        if (!stopped) detail::loop(*ctx).queue_poller(&owner->service); // refill tries again
+        return;
+    }
+    queue(slots[0]);
+}
+
+// A read ended (or was refused before it started) without an event: `res` is a negative errno
+// (or a part of an event, which no sane kernel returns).
+void event_reader::ended_without_event(int res) noexcept {
+    // Cancelled by us, or nothing read: read again (refill).
+    if (res == -ECANCELED || res == -EAGAIN || res == -EINTR) return;
+    if (owner == nullptr || stopped || owner->error != 0) return;
+    const int err = res < 0 ? -res : EIO;
+    // Refused before any read worked (the kernel cannot read this file through io_uring): the
+    // other path. Once reads worked, a failure is the channel's (EIO: the device is gone).
+    if (!read_once && (err == EINVAL || err == EOPNOTSUPP))
+        owner->fall_back(err);
+    else
+        owner->fail(err);
+}
+
+// Throws std::system_error naming io_uring_submit (no SQE could be had).
+void event_reader::queue(slot& s) {
+    io_uring_sqe* sqe = detail::loop(*ctx).get_sqe();
+    // One event per read: the kernel gives whole events only, and never more than one.
+    io_uring_prep_read(sqe, keep_open->fd, &s.event, sizeof s.event, 0);
+    io_uring_sqe_set_data(sqe, static_cast<operation*>(&s));
+    s.in_flight = true;
+    ++in_flight;
+    detail::loop(*ctx).start_background();
+}
+
+void event_reader::refill(std::size_t armed) noexcept {
+    if (turn_events > 0) {
+        // Every read came back with an event and armed CQs may have more: read more at once.
+        // A read still waiting means the fd was drained: one is enough.
+        if (in_flight == 0 && armed > 0)
+            wanted = std::min(wanted * 2, slot_count);
+        else if (in_flight > 0)
+            wanted = 1;
+        turn_events = 0;
+    }
+    if (stopped || cancelling || owner == nullptr || ctx->shutting_down()) return;
+    for (slot& s : slots) {
+        if (in_flight >= wanted) break;
+        if (s.in_flight) continue;
+        if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) {
+            ended_without_event(rc);
+            // Interrupted before it read anything: the event waits in the kernel. Again on
+            // the next turn, so that a run of interruptions cannot hold this one up.
+            if (!stopped) detail::loop(*ctx).queue_poller(&owner->service);
+            return;
+        }
+        try {
+            queue(s);
+            failed_attempts = 0;
+        } catch (const std::system_error& e) {
+            if (++failed_attempts >= fd_watch::max_retries) {
+                owner->fail(e.code().value());
+                return;
+            }
+            detail::loop(*ctx).queue_poller(&owner->service);
+            return;
+        }
+    }
+}
+
+void event_reader::retire(verbs::completion_queue cq) noexcept {
+    try {
+        retiring.push_back(std::move(cq));
+    } catch (...) {
+        // Out of memory: `cq` is destroyed here, and ibv_destroy_cq waits for ever if a read
+        // in flight took its event. Nothing better can be done without memory.
+        return;
+    }
+    cancelling = true;
+    cancel_reads();
+}
+
+void event_reader::stop() noexcept {
+    stopped = true;
+    cancel_reads();
+}
+
+void event_reader::release() noexcept {
+    owner = nullptr;
+    if (in_flight == 0) {
+        delete this;
+        return;
+    }
+    cancel_reads();
+}
+
+void event_reader::cancel_reads() noexcept {
+    if (ctx->shutting_down()) return; // ~io_context's cancel-all reaps the reads
+    for (slot& s : slots) {
+        if (!s.in_flight) continue;
+        try {
+            detail::loop(*ctx).cancel(&s);
+        } catch (...) {
+            // No SQE for the cancel: the read ends with the next event, or with ~io_context.
+        }
+    }
+}
+
+// No read is in flight any more: no read can hold an unhandled event.
+void event_reader::settled() noexcept {
+    retiring.clear(); // each acks what it has unacked, then ibv_destroy_cq
+    cancelling = false;
+    if (owner == nullptr) {
+        delete this;
+        return;
+    }
+    if (!stopped) detail::loop(*ctx).queue_poller(&owner->service); // read again
+}
+
+void event_reader::cqe(operation* op, int res, unsigned) noexcept {
+    auto& s = *static_cast<slot*>(op);
+    event_reader* r = s.reader;
+    s.in_flight = false;
+    --r->in_flight;
+    detail::loop(*r->ctx).finish_background();
+    if (res == static_cast<int>(sizeof s.event)) {
+        r->read_once = true;
+        ++r->turn_events;
+        // Counted unacked first, whoever gets it: the CQ's destroy waits for its ack.
+        const verbs::cq_event ev = verbs::completion_channel::take_event(s.event.cq_handle);
+        bool retired = false;
+        for (const verbs::completion_queue& q : r->retiring)
+            retired = retired || q.native() == ev.cq;
+        if (r->owner != nullptr && !retired) r->owner->ring_event(ev.user_context);
+    } else {
+        r->ended_without_event(res);
+    }
+    if (r->in_flight == 0 && (r->owner == nullptr || r->cancelling)) {
+        r->settled(); // may free r
+        return;
+    }
+    if (r->owner != nullptr && !r->stopped) detail::loop(*r->ctx).queue_poller(&r->owner->service);
+}
 
 channel_state::channel_state(io_context& c, const verbs::context& dev, const channel_options& o)
     : ctx(&c), channel(dev), device(dev.handle()), options(o), spin_window(o.hybrid_spin) {
@@ -23,6 +176,33 @@ channel_state::channel_state(io_context& c, const verbs::context& dev, const cha
         detail::loop(*ctx).queue_poller(&service);
         return;
     }
+    if (options.read == event_read::ring) {
+        // A read queued on the ring must not block: without O_NONBLOCK the kernel hands it to
+        // a worker thread, which would take events at any time, not in the waiting
+        // io_uring_enter. completion_channel sets the flag; a fd it could not set it on
+        // (another kernel) is read the other way.
+        const int fl = fcntl(channel.fd(), F_GETFL);
+        if (fl == -1 || (fl & O_NONBLOCK) == 0) {
+            diagnose("completion channel fd %d is not O_NONBLOCK: reading its events with "
+                     "ibv_get_cq_event, not through io_uring",
+                     channel.fd());
+            options.read = event_read::syscall;
+        }
+    }
+    if (options.read == event_read::syscall) {
+        start_watch();
+        return;
+    }
+    reader = new event_reader(*this);
+    try {
+        reader->start();
+    } catch (...) {
+        delete reader;
+        throw;
+    }
+}
+
+void channel_state::start_watch() {
     watch = fd_watch::start(
         *ctx, channel.fd(), channel.handle(), this,
         [](void* self, unsigned) noexcept {
@@ -38,14 +218,33 @@ channel_state::channel_state(io_context& c, const verbs::context& dev, const cha
 channel_state::~channel_state() {
     detail::loop(*ctx).dequeue_poller(&service);
     if (watch) watch->release();
+    if (reader) reader->release();
 }
 
 void channel_state::fail(int err) noexcept {
     error = err;
-    diagnose("completion channel fd %d: poll failed: %s", channel.fd(),
+    diagnose("completion channel fd %d: %s failed: %s", channel.fd(),
+             options.read == event_read::ring ? "reading its events through io_uring" : "poll",
              std::system_category().message(err).c_str());
+    if (reader) reader->stop();
+    for (cq_state* c : fired)
+        c->in_fired = false;
+    fired.clear();
     for (cq_state* c : cqs)
         c->fail_waiters(err);
+}
+
+void channel_state::fall_back(int err) noexcept {
+    diagnose("completion channel fd %d: the kernel refused to read its events through io_uring "
+             "(%s): reading them with ibv_get_cq_event",
+             channel.fd(), std::system_category().message(err).c_str());
+    options.read = event_read::syscall;
+    reader->stop(); // reads still in flight deliver what they read
+    try {
+        start_watch();
+    } catch (const std::system_error& e) {
+        fail(e.code().value());
+    }
 }
 
 // The most completions drain_cq takes per ibv_poll_cq, whatever poll_batch asks (its stack array).
@@ -88,11 +287,14 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
 // last poll and the arm raises a new event, one that lands before is found by the poll.
 void channel_state::run_service() noexcept {
     std::size_t found = 0;
-    if (fd_ready) {
+    // CQs still armed after this turn's ring events: some may have an event still unread.
+    const std::size_t armed_before = armed_cqs;
+    if (fd_ready || !fired.empty()) {
         const std::optional<std::size_t> got = handle_wakeup();
         if (!got) return; // the channel failed
         found = *got;
     }
+    if (reader) reader->refill(armed_before);
     if (rearm_due && !spinning) found += rearm_unarmed();
     if (!spinning) {
         // events, or hybrid asleep: completions that woke a hybrid channel open its window.
@@ -105,27 +307,53 @@ void channel_state::run_service() noexcept {
         spin_pass(found);
 }
 
-// The fd was reported readable: reads its events, then counts, arms and polls each CQ that
-// fired. Returns the completions found, or nothing when the channel failed.
+// Events came: the ring's reads put their CQs in `fired` already; the poll said the fd is
+// readable: read its events. Then counts, arms and polls each CQ that fired. Returns the
+// completions found, or nothing when the channel failed.
 std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
-    fd_ready = false;
-    const event_read read = read_events();
-    if (read == event_read::failed) return std::nullopt;
+    read_outcome read = read_outcome::all_read;
+    if (fd_ready) {
+        fd_ready = false;
+        read = read_events();
+        if (read == read_outcome::failed) return std::nullopt;
+    }
     std::size_t found = 0;
     for (cq_state* c : fired)
         found += service_fired(*c);
-    if (read == event_read::interrupted) {
+    for (cq_state* c : fired)
+        c->in_fired = false;
+    fired.clear();
+    if (read == read_outcome::interrupted) {
         fd_ready = true;
         detail::loop(*ctx).queue_poller(&service);
     }
     return found;
 }
 
-// Collects the CQs with an event this turn in `fired`, each marked disarmed.
-channel_state::event_read channel_state::read_events() noexcept {
-    for (cq_state* c : fired)
-        c->in_fired = false;
-    fired.clear();
+// An event of `c`, read by either path.
+void channel_state::take_event(cq_state& c) noexcept {
+    ++counters.events;
+    ++c.counters.events;
+    c.set_armed(false);
+    // A flag, not a search of `fired`: one wakeup may bring an event from each of thousands
+    // of CQs.
+    if (!c.in_fired) {
+        c.in_fired = true;
+        fired.push_back(&c);
+    }
+}
+
+void channel_state::ring_event(void* cq_context) noexcept {
+    if (error != 0) return; // counted unacked already: acked when its CQ goes
+    if (fired.empty()) {
+        ++counters.wakeups; // the first event of this turn
+        detail::loop(*ctx).queue_poller(&service);
+    }
+    take_event(*static_cast<cq_state*>(cq_context));
+}
+
+// The syscall path: adds the CQs with an event to `fired`, each marked disarmed.
+channel_state::read_outcome channel_state::read_events() noexcept {
     // Read until EAGAIN, or until every armed CQ has had its one event: then nothing can
     // be pending, and the read that would say EAGAIN is saved. At least one read per
     // wakeup, whatever the count says: the fd is readable, and an event left unread
@@ -137,25 +365,16 @@ channel_state::event_read channel_state::read_events() noexcept {
         } catch (const std::system_error& e) {
             if (e.code().value() != EINTR) {
                 fail(e.code().value());
-                return event_read::failed;
+                return read_outcome::failed;
             }
             // Interrupted: the event is still there, and the multishot poll reports the
             // fd only on a new wakeup. Read again on the next turn.
-            return event_read::interrupted;
+            return read_outcome::interrupted;
         }
         if (!ev) break;
-        ++counters.events;
-        auto* c = static_cast<cq_state*>(ev->user_context);
-        ++c->counters.events;
-        c->set_armed(false);
-        // A flag, not a search of `fired`: one wakeup may bring an event from each of
-        // thousands of CQs.
-        if (!c->in_fired) {
-            c->in_fired = true;
-            fired.push_back(c);
-        }
+        take_event(*static_cast<cq_state*>(ev->user_context));
     }
-    return event_read::all_read;
+    return read_outcome::all_read;
 }
 
 // A CQ that had an event: acks its events once ack_batch are unacked, re-arms it (unless

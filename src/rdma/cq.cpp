@@ -77,11 +77,17 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
 
 cq_state::~cq_state() {
     unregister_object(cq.native());
+    const bool may_have_event = armed; // each arm raises at most one event
     set_armed(false);
     std::erase(channel->cqs, this);
     std::erase(channel->fired, this);
     // The verbs completion_queue acks every event still unacked before ibv_destroy_cq.
     counters.acked_events += cq.unacked_events();
+    // The ring path: a read in flight may have taken this CQ's event, its CQE not handled yet,
+    // so that the event is not counted: ibv_destroy_cq would wait for its ack for ever. The
+    // reader destroys the CQ once no read is in flight (event_reader).
+    if (may_have_event && channel->reader != nullptr && channel->reader->in_flight > 0)
+        channel->reader->retire(std::move(cq));
 }
 
 void cq_state::arm() noexcept {

@@ -20,6 +20,7 @@ constexpr verbs_hooks real{
     [](ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
         return ibv_get_cq_event(ch, cq, ctx);
     },
+    [](ibv_comp_channel*) noexcept { return 0; },
     [](ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept { return ibv_modify_qp(qp, attr, mask); },
 };
 verbs_hooks table = real;

@@ -27,7 +27,9 @@
 //   half round trip those statistics come from (the timed iterations only, in microseconds,
 //   one a line, in the order measured) to FILE, after the run and its report. --stats 0
 //   reports no percentiles: their sorting, after the run, grows faster than the run
-//   (tools/bench-cost counts instructions without it).
+//   (tools/bench-cost counts instructions without it). --event-read syscall reads the CQ events
+//   with ibv_get_cq_event after a poll of the channel's fd instead of through the ring
+//   (channel_options::read).
 // rate: the client keeps --window sends in flight as post_send chains of --chain requests (the
 //   last one signaled: selective signaling), the server keeps --recv-depth receives posted as
 //   post_recv chains. Messages per second are counted at the sender between the completion of
@@ -112,8 +114,9 @@ struct config : bench::common_options {
     bool raw_uring = false;      // --raw 1, events: wait in a bare liburing poll, then read
     unsigned ack_batch = 64;
     unsigned poll_batch = 32;
-    std::string listen;  // ADDR:PORT: the server alone, across hosts
-    std::string connect; // ADDR:PORT: the client alone, across hosts
+    event_read read = event_read::ring; // channel_options::read (events and hybrid)
+    std::string listen;                 // ADDR:PORT: the server alone, across hosts
+    std::string connect;                // ADDR:PORT: the client alone, across hosts
     std::string samples; // lat: FILE for every half round trip (us), written after the run
     bool stats = true;   // lat: the percentiles (--stats 0: none, for tools/bench-cost's counts)
 };
@@ -126,7 +129,8 @@ struct config : bench::common_options {
                  "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
                  "         [--hybrid-spin-max-us N]\n"
                  "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
-                 "         [--ring defer|coop] [--raw 0|1] [--raw-wait read|uring]\n"
+                 "         [--ring defer|coop] [--event-read ring|syscall] [--raw 0|1]\n"
+                 "         [--raw-wait read|uring]\n"
                  "         [--timeout SECONDS] [--stats 0|1]\n"
                  "         [--listen ADDR:PORT | --connect ADDR:PORT] [--samples FILE (lat)]\n");
     std::exit(2);
@@ -188,6 +192,10 @@ bool parse_option(config& c, std::string_view a, const std::string& v) {
             c.raw_uring = true;
         else
             usage();
+    } else if (a == "--event-read") {
+        const auto r = parse_event_read(v);
+        if (!r) usage();
+        c.read = *r;
     } else if (a == "--ring") {
         if (v == "defer")
             c.single_issuer = true;
@@ -290,7 +298,8 @@ struct side : bench::process_runtime {
                               .hybrid_spin = std::chrono::microseconds(k.hybrid_spin_us),
                               .ack_batch = k.ack_batch,
                               .poll_batch = k.poll_batch,
-                              .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us)}),
+                              .hybrid_spin_max = std::chrono::microseconds(k.hybrid_spin_max_us),
+                              .read = k.read}),
           cfg(k), client(is_client), sock(s),
           // What the QP's two queues can hold at once (the qp refuses a smaller CQ).
           c(ch, cq_options{.entries = k.test == test_kind::rate
@@ -926,6 +935,7 @@ int main(int argc, char** argv) {
     std::printf("  \"bytes\": %u,\n  \"iters\": %ld,\n  \"warmup\": %ld,\n  \"inline\": %s,\n",
                 cfg.size, cfg.iters, cfg.warmup, cfg.inline_data ? "true" : "false");
     std::printf("  \"solicited\": %s,\n", cfg.solicited ? "true" : "false");
+    std::printf("  \"event_read\": \"%s\",\n", to_string(cfg.read));
     if (cfg.test == test_kind::lat) {
         std::printf("  \"raw\": %s,\n", cfg.raw ? "true" : "false");
         std::printf("  \"recv\": \"%s\",\n  \"send\": \"%s\",\n",

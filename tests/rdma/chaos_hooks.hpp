@@ -26,7 +26,8 @@ struct chaos_counts {
     std::uint64_t spurious_event = 0;  // completions taken right after the arm: their event
                                        // then finds the CQ empty
     std::uint64_t notify_failed = 0;   // ibv_req_notify_cq failed with EAGAIN (not armed)
-    std::uint64_t get_event_eintr = 0; // ibv_get_cq_event interrupted (EINTR, nothing read)
+    std::uint64_t get_event_eintr = 0; // an event read interrupted (EINTR, nothing read):
+                                       // ibv_get_cq_event, or a read queued on the ring
     std::uint64_t post_failed = 0;     // ibv_post_send/recv failed with ENOMEM, nothing posted
     std::uint64_t chain_failed = 0;    // a chain posted only up to its k-th request
 };
@@ -44,6 +45,7 @@ class chaos_hooks {
         h.poll_cq = &poll;
         h.req_notify_cq = &notify;
         h.get_cq_event = &get_event;
+        h.start_event_read = &start_read;
         h.post_send = &post_send;
         h.post_recv = &post_recv;
     }
@@ -197,6 +199,14 @@ class chaos_hooks {
             return -1;
         }
         return real().get_cq_event(ch, cq, ctx);
+    }
+
+    static int start_read(ibv_comp_channel* ch) noexcept {
+        if (chance(0.02)) {
+            ++counts().get_event_eintr;
+            return -EINTR;
+        }
+        return real().start_event_read(ch);
     }
 
     static int modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept {

@@ -15,32 +15,6 @@
 using namespace rt;
 using namespace std::chrono_literals;
 
-namespace {
-
-// Posts a signaled SEND of `b` with a caller-chosen wr_id, outside the per-request awaits:
-// its completion goes to cq::next().
-void raw_send(qp& q, local_buffer b, std::uint64_t wr_id, unsigned flags = IBV_SEND_SIGNALED) {
-    ibv_sge sge{reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
-    ibv_send_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = flags;
-    q.native_qp().post_send(wr);
-}
-
-void raw_recv(qp& q, local_buffer b, std::uint64_t wr_id) {
-    ibv_sge sge{reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
-    ibv_recv_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    q.native_qp().post_recv(wr);
-}
-
-} // namespace
-
 TEST_CASE("next() gives completions to several waiters in FIFO order") {
     device dev;
     io_context io;

@@ -146,8 +146,9 @@ class drop_late_completions {
     static inline int count_ = 0;
 };
 
-// Interrupts the next `count` calls of ibv_get_cq_event (EINTR, nothing read) and makes the
-// next `count` calls of ibv_req_notify_cq fail with EAGAIN (not armed), while it lives.
+// Interrupts the next `count` event reads (EINTR, nothing read: ibv_get_cq_event calls, or
+// reads about to be queued on the ring) and makes the next `count` calls of ibv_req_notify_cq
+// fail with EAGAIN (not armed), while it lives.
 class interrupt_events {
   public:
     explicit interrupt_events(int count) noexcept {
@@ -156,10 +157,13 @@ class interrupt_events {
         interrupted_ = 0;
         refused_ = 0;
         ringverbs::detail::hooks().get_cq_event = &get_event;
+        ringverbs::detail::hooks().start_event_read = &start_read;
         ringverbs::detail::hooks().req_notify_cq = &notify;
     }
     ~interrupt_events() {
         ringverbs::detail::hooks().get_cq_event = ringverbs::detail::real_verbs().get_cq_event;
+        ringverbs::detail::hooks().start_event_read =
+            ringverbs::detail::real_verbs().start_event_read;
         ringverbs::detail::hooks().req_notify_cq = ringverbs::detail::real_verbs().req_notify_cq;
     }
     interrupt_events(const interrupt_events&) = delete;
@@ -178,6 +182,14 @@ class interrupt_events {
         }
         return ringverbs::detail::real_verbs().get_cq_event(ch, cq, ctx);
     }
+    static int start_read(ibv_comp_channel* ch) noexcept {
+        if (get_left_ > 0) {
+            --get_left_;
+            ++interrupted_;
+            return -EINTR;
+        }
+        return ringverbs::detail::real_verbs().start_event_read(ch);
+    }
     static int notify(ibv_cq* cq, int solicited_only) noexcept {
         if (notify_left_ > 0) {
             --notify_left_;
@@ -190,6 +202,24 @@ class interrupt_events {
     static inline int notify_left_ = 0;
     static inline int interrupted_ = 0;
     static inline int refused_ = 0;
+};
+
+// Makes every read of a completion channel's events through the ring refused as a kernel
+// without support refuses it (EINVAL), while it lives: such a channel falls back to
+// ibv_get_cq_event.
+class refuse_ring_reads {
+  public:
+    refuse_ring_reads() noexcept {
+        ringverbs::detail::hooks().start_event_read = [](ibv_comp_channel*) noexcept {
+            return -EINVAL;
+        };
+    }
+    ~refuse_ring_reads() {
+        ringverbs::detail::hooks().start_event_read =
+            ringverbs::detail::real_verbs().start_event_read;
+    }
+    refuse_ring_reads(const refuse_ring_reads&) = delete;
+    refuse_ring_reads& operator=(const refuse_ring_reads&) = delete;
 };
 
 // Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting

@@ -45,6 +45,10 @@ inline bool ready_state(qp& q) {
     return device_reports_qp_state() ? q.native_qp().state() == IBV_QPS_RTS : !q.in_error();
 }
 
+// The two ways a channel reads its CQ events (channel_options::read): the tests of the event
+// path run on each, the path in CAPTURE.
+inline constexpr event_read event_paths[] = {event_read::ring, event_read::syscall};
+
 // A registered buffer.
 struct region {
     std::vector<std::byte> bytes;
@@ -86,6 +90,29 @@ struct loopback {
         link = connect_pair(a.native_qp(), b.native_qp(), all_remote);
     }
 };
+
+// Posts a signaled SEND of `b` with a caller-chosen wr_id, outside the per-request awaits:
+// its completion goes to cq::next().
+inline void raw_send(qp& q, local_buffer b, std::uint64_t wr_id,
+                     unsigned flags = IBV_SEND_SIGNALED) {
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = flags;
+    q.native_qp().post_send(wr);
+}
+
+inline void raw_recv(qp& q, local_buffer b, std::uint64_t wr_id) {
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(b.addr), b.length, b.lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    q.native_qp().post_recv(wr);
+}
 
 inline void fill(std::span<std::byte> s, std::uint32_t seed) {
     std::uint32_t x = seed * 2654435761u + 7;

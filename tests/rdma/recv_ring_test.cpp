@@ -381,7 +381,9 @@ TEST_CASE("recv_ring: destroyed by a coroutine that runs between a next()'s mess
     // taken (nothing owed on b) before the consumer runs, and destroys the ring then.
     auto destroyer = [&]() -> task<void> {
         co_await io.schedule();
-        co_await lp.a.send(out.local(0, length_of(6)));
+        // Unsignaled: the await ends at the post, so that this coroutine turns with the loop
+        // before the receive completes, whichever turn brings its event.
+        co_await lp.a.send(out.local(0, length_of(6)), send_options{.signaled = false});
         for (long turn = 0; turn < 50'000'000 && ring; ++turn) {
             if (lp.b.pending() == 0 && !got_message && !cancelled) {
                 ring.reset();

@@ -7,6 +7,8 @@
 //   RINGVERBS_SEED=<n>            reproduce a run (the seed is printed first)
 //   RINGVERBS_SOAK_REQUESTS=<n>   how many requests (default 1,000,000)
 //   RINGVERBS_FAULTS_JSON=<path>  where to write the summary (faults.json)
+//   RINGVERBS_EVENT_READ=<path>   how both channels read their events: ring (default) or
+//                                 syscall (channel_options::read)
 #include "chaos_hooks.hpp"
 #include "rdma_fixture.hpp"
 
@@ -525,6 +527,11 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
           "faults: every await ends exactly once, every byte is right, nothing leaks") {
     const std::uint64_t seed = env_u64("RINGVERBS_SEED", std::random_device{}());
     const std::uint64_t target = env_u64("RINGVERBS_SOAK_REQUESTS", 1'000'000);
+    const char* path_env = std::getenv("RINGVERBS_EVENT_READ");
+    const std::optional<event_read> path =
+        parse_event_read(path_env != nullptr && *path_env != 0 ? path_env : "ring");
+    REQUIRE_MESSAGE(path.has_value(), "RINGVERBS_EVENT_READ is ring or syscall");
+    std::printf("soak: events read by the %s path\n", to_string(*path));
     std::printf("soak: seed %llu (RINGVERBS_SEED=%llu reproduces it), %llu requests\n",
                 static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed),
                 static_cast<unsigned long long>(target));
@@ -544,10 +551,13 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         device dev;
         // Small rings: the submission ring fills up, timer bursts overflow the completion ring.
         io_context io(io_context_options{.sq_entries = 8, .cq_entries = 16});
-        channel events(io, dev.ctx, channel_options{.mode = polling_mode::events});
+        channel events(io, dev.ctx, channel_options{.mode = polling_mode::events, .read = *path});
         channel hybrid(
             io, dev.ctx,
-            channel_options{.priority = 1, .mode = polling_mode::hybrid, .hybrid_spin = 20us});
+            channel_options{
+                .priority = 1, .mode = polling_mode::hybrid, .hybrid_spin = 20us, .read = *path});
+        REQUIRE(events.event_path() == *path);
+        REQUIRE(hybrid.event_path() == *path);
         cq c0(events), c1(events), c2(hybrid), c3(hybrid);
         cq* cqs[] = {&c0, &c1, &c2, &c3};
         soak s(dev, io, seed, target);
@@ -745,7 +755,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         {"sq_full", sq_full},
         {"cq_overflow", cq_overflows},
     };
-    std::string json = "{\"requests\": " + std::to_string(issued) + ", \"injected\": {";
+    std::string json = "{\"requests\": " + std::to_string(issued) + ", \"event_read\": \"" +
+                       to_string(*path) + "\", \"injected\": {";
     for (std::size_t i = 0; i < std::size(kinds); ++i) {
         json += (i ? ", \"" : "\"") + std::string(kinds[i].first) +
                 "\": " + std::to_string(kinds[i].second);

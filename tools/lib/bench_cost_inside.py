@@ -15,9 +15,10 @@ sides: what one more message costs one side, with the set-up cancelled out.
   the peer answers, so their instruction counts measure the wait (reported, never gated).
 - syscalls: system calls by name (strace -f -c, both processes).
 
-Series: events (ours; raw verbs with a blocking ibv_get_cq_event; raw verbs waiting in a bare
-liburing poll first; perftest's ib_send_lat -e, system calls only), busy (ours; raw verbs;
-ib_send_lat), hybrid (ours). Writes COST_JSON:
+Series: events (ours, reading the CQ events through the ring, the default; ours_syscall, with
+a poll of the channel's fd and ibv_get_cq_event; raw verbs with a blocking ibv_get_cq_event;
+raw verbs waiting in a bare liburing poll first; perftest's ib_send_lat -e, system calls only),
+busy (ours; raw verbs; ib_send_lat), hybrid (ours; ours_syscall). Writes COST_JSON:
   {"mode": {"series": {"instructions": N|null, "syscalls": N, "by_name": {...}}}, "meta": {...},
    "budget": {...}, "over_budget": [...]}
 and exits 1 when a run failed, 4 when ours exceeds a budget of BUDGET_JSON
@@ -49,7 +50,8 @@ def series(bin_path):
     ours = lambda *a: ("ours", [bin_path, "lat", "--timeout", "900", "--stats", "0", *a])
     return {
         "events": {
-            "ours": (*ours("--mode", "events"), True),
+            "ours": (*ours("--mode", "events", "--event-read", "ring"), True),
+            "ours_syscall": (*ours("--mode", "events", "--event-read", "syscall"), True),
             "raw_read": (*ours("--mode", "events", "--raw", "1"), True),
             "raw_uring": (*ours("--mode", "events", "--raw", "1", "--raw-wait", "uring"), True),
             "ib_send_lat_e": ("perftest", ["ib_send_lat", "-e", "-s", "2"], False),
@@ -60,7 +62,8 @@ def series(bin_path):
             "ib_send_lat": ("perftest", ["ib_send_lat", "-s", "2"], False),
         },
         "hybrid": {
-            "ours": (*ours("--mode", "hybrid"), False),
+            "ours": (*ours("--mode", "hybrid", "--event-read", "ring"), False),
+            "ours_syscall": (*ours("--mode", "hybrid", "--event-read", "syscall"), False),
         },
     }
 

@@ -1,5 +1,6 @@
-// channel: a completion channel served by an io_context. Its fd is watched by a multishot
-// io_uring poll; when it turns readable the channel reads every pending CQ event, acks them in
+// channel: a completion channel served by an io_context. Its CQ events are read by reads of
+// its fd queued on the io_uring (event_read::ring), or, after a multishot io_uring poll says
+// the fd is readable, with ibv_get_cq_event (event_read::syscall); the channel acks them in
 // batches, re-arms each CQ and polls it until empty, then hands the completions to the
 // coroutines awaiting them.
 #pragma once
@@ -37,16 +38,20 @@ class channel {
 
     const channel_counters& counters() const noexcept { return state_->counters; }
     polling_mode mode() const noexcept { return state_->options.mode; }
+    // How events are read (events and hybrid modes): channel_options::read, or
+    // event_read::syscall once the ring path was refused here (see event_read).
+    event_read event_path() const noexcept { return state_->options.read; }
     int priority() const noexcept { return state_->options.priority; }
     io_context& context() const noexcept { return *state_->ctx; }
     int fd() const noexcept { return state_->channel.fd(); }
     // hybrid: the spin window in force (hybrid_spin, or between it and hybrid_spin_max).
     std::chrono::nanoseconds spin_window() const noexcept { return state_->spin_window; }
-    // How many times the kernel ended the multishot poll on the fd and it was re-armed.
+    // How many times the kernel ended the multishot poll on the fd and it was re-armed
+    // (event_read::syscall).
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
     // 0 while the channel works; else the errno that ended it (the fd's poll or
-    // ibv_get_cq_event failed): no event of its CQs is read any more, for good, and their
-    // next() waits fail with that errno.
+    // ibv_get_cq_event or a ring read of the fd failed): no event of its CQs is read any more, for
+    // good, and their next() waits fail with that errno.
     int error() const noexcept { return state_->error; }
 
   private:

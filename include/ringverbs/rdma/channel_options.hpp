@@ -1,5 +1,5 @@
 // channel_options: how a channel learns that its CQs have completions (polling_mode) and how
-// it fetches and acknowledges them.
+// it fetches and acknowledges them (event_read).
 #pragma once
 
 #include <ringverbs/config.hpp>
@@ -40,6 +40,30 @@ constexpr std::optional<polling_mode> parse_polling_mode(std::string_view name) 
     return std::nullopt;
 }
 
+// How a channel in events or hybrid mode reads its CQ events from the channel's fd.
+enum class event_read {
+    // Reads of the fd queued on the io_context's ring (IORING_OP_READ, one event each): the
+    // event arrives with the wakeup, one system call fewer per wakeup. Relies on the
+    // provider's cq_event op being reachable (see docs/design.md); where the kernel refuses
+    // such reads, the channel says so (diagnostics) and reads with ibv_get_cq_event instead.
+    ring,
+    // A multishot io_uring poll of the fd, then ibv_get_cq_event until every armed CQ had its
+    // event (or EAGAIN): what libibverbs promises, one read() per wakeup more.
+    syscall,
+};
+
+// The path's name: "ring" or "syscall".
+constexpr const char* to_string(event_read r) noexcept {
+    return r == event_read::syscall ? "syscall" : "ring";
+}
+
+// The path a name stands for ("ring", "syscall"), or std::nullopt for any other text.
+constexpr std::optional<event_read> parse_event_read(std::string_view name) noexcept {
+    for (event_read r : {event_read::ring, event_read::syscall})
+        if (name == to_string(r)) return r;
+    return std::nullopt;
+}
+
 struct channel_options {
     // When several channels of one io_context have completions in the same loop turn, the
     // coroutines of the higher priority resume first.
@@ -59,6 +83,8 @@ struct channel_options {
     // hybrid_spin_max (idle) sets it back to hybrid_spin. So CPU is spent only while the
     // traffic comes back within hybrid_spin_max. 0 (default): the window is hybrid_spin.
     std::chrono::nanoseconds hybrid_spin_max = std::chrono::nanoseconds::zero();
+    // events and hybrid: how the CQ events are read from the channel's fd (busy reads none).
+    event_read read = event_read::ring;
 };
 
 } // namespace ringverbs

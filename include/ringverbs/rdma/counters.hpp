@@ -9,8 +9,10 @@
 namespace ringverbs {
 
 struct channel_counters {
-    std::uint64_t wakeups = 0;     // times the channel's fd was reported readable
-    std::uint64_t events = 0;      // CQ events read with ibv_get_cq_event
+    // Turns in which the channel woke with events: its fd was reported readable
+    // (event_read::syscall), or reads of the ring brought events (event_read::ring).
+    std::uint64_t wakeups = 0;
+    std::uint64_t events = 0;      // CQ events read (either path)
     std::uint64_t acks = 0;        // ibv_ack_cq_events calls
     std::uint64_t arms = 0;        // ibv_req_notify_cq calls
     std::uint64_t polls = 0;       // ibv_poll_cq calls

@@ -9,6 +9,7 @@
 #include <infiniband/verbs.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 
@@ -69,6 +70,14 @@ class completion_channel {
     // CQ is disarmed by the event and must be re-armed (req_notify) for the next one. Throws
     // std::system_error naming ibv_get_cq_event for any error other than EAGAIN.
     [[nodiscard]] std::optional<cq_event> get_event();
+
+    // Takes an event that was read from fd() by other means (an io_uring read of one
+    // struct ib_uverbs_comp_event_desc, whose cq_handle is given here) and does what
+    // ibv_get_cq_event does after its read(): runs the provider's cq_event hook (mlx4, mlx5,
+    // hns... count arms there; see docs/design.md) and counts the event as unacked on its
+    // completion_queue, exactly as get_event() does. Every event read from the fd must come
+    // through here or get_event(): ibv_destroy_cq waits for each one to be acked. Never throws.
+    [[nodiscard]] static cq_event take_event(std::uint64_t cq_handle) noexcept;
 
     // Waits up to `timeout` for an event with poll(2), then reads it as get_event() does;
     // nullopt on timeout. For tests and simple threads; an event loop polls fd() instead.

@@ -17,6 +17,7 @@
 #include <ringverbs/verbs/queue_pair.hpp>
 
 #include <infiniband/verbs.h>
+#include <rdma/ib_user_verbs.h>
 
 #include <chrono>
 #include <cstddef>
@@ -30,6 +31,7 @@ namespace ringverbs::detail {
 
 struct qp_state;
 struct cq_state;
+struct channel_state;
 struct srq_state;
 
 // A posted work request that a coroutine awaits. wr_id carries its address, tagged.
@@ -64,6 +66,73 @@ inline std::uint64_t wr_id_for(wr_op* op, bool last) noexcept {
     return reinterpret_cast<std::uintptr_t>(op) | wr_tag_ours | (last ? wr_tag_last : 0);
 }
 
+// The ring path's reads of a channel's fd (event_read::ring): one-shot IORING_OP_READs of one
+// event each, re-queued from the channel's service pass so that they go out with the next
+// submission (the one that waits). Its own heap object, like fd_watch, because the kernel may
+// owe a read's CQE after the channel is gone, and the read's buffer must live until then.
+//
+// Invariants:
+// - `keep_open` keeps the fd open while a read is in flight (io_uring does not cancel a read
+//   when its fd is closed).
+// - Every event a read returned is counted unacked on its CQ first
+//   (verbs::completion_channel::take_event), whoever handles it then.
+// - A read may have taken a CQ's event from the kernel while its CQE is not handled yet (the
+//   CQE is in the ring, or in the kernel's overflow list): until it is, ibv_destroy_cq of that
+//   CQ would wait for ever for an ack. So a CQ that may have an event in flight (armed) is not
+//   destroyed while reads are in flight: cq_state hands it over (retire), every read is
+//   cancelled, and once none is in flight the retired CQs are destroyed and reading resumes.
+// - One read in flight while the events come one per wakeup (each read in flight is woken by
+//   every event: the losers cost the kernel a retry); more (up to slot_count) while every read
+//   comes back with an event and armed CQs may have more.
+// - Its CQE callback runs in the CQE loop: it hands events to the channel's service poller
+//   and never resumes a coroutine.
+struct event_reader {
+    static constexpr std::size_t slot_count = 8;
+    struct slot : operation {
+        event_reader* reader = nullptr;
+        ib_uverbs_comp_event_desc event{}; // the kernel writes one event here
+        bool in_flight = false;
+    };
+
+    channel_state* owner = nullptr; // null once orphaned (the channel is gone)
+    io_context* ctx = nullptr;
+    std::shared_ptr<ibv_comp_channel> keep_open;
+    slot slots[slot_count];
+    std::size_t in_flight = 0;
+    std::size_t wanted = 1;       // reads to keep in flight
+    std::size_t turn_events = 0;  // reads that came back with an event since the last refill
+    bool read_once = false;       // a read returned an event: the ring path works here
+    bool stopped = false;         // no more reads: the channel failed or fell back
+    bool cancelling = false;      // every read was cancelled for `retiring`
+    unsigned failed_attempts = 0; // refills in a row that could not get an SQE
+    std::vector<verbs::completion_queue> retiring; // CQs to destroy once no read is in flight
+
+    explicit event_reader(channel_state& ch);
+    event_reader(const event_reader&) = delete;
+    event_reader& operator=(const event_reader&) = delete;
+
+    // Queues the first read (or falls back, fails: see ended_without_event). Throws
+    // std::system_error naming io_uring_submit.
+    void start();
+    // The service pass: adapts `wanted` to what the reads of this turn found (armed: CQs
+    // still armed, which may have an event pending), then queues reads up to it.
+    void refill(std::size_t armed) noexcept;
+    // Destroys `cq` once no read can hold an unhandled event of it (see above).
+    void retire(verbs::completion_queue cq) noexcept;
+    // No more reads; those in flight are cancelled (their events are still delivered).
+    void stop() noexcept;
+    // For the channel's destructor: cancels the reads and frees the reader on the last CQE,
+    // or now when none is in flight.
+    void release() noexcept;
+
+  private:
+    void queue(slot& s);
+    void ended_without_event(int res) noexcept;
+    void cancel_reads() noexcept;
+    void settled() noexcept;
+    static void cqe(operation* op, int res, unsigned flags) noexcept;
+};
+
 struct channel_state {
     struct service_poller : poller {
         channel_state* owner;
@@ -79,9 +148,12 @@ struct channel_state {
     // -1 not asked yet, 0 no (siw), 1 yes. See cq_options::solicited_only.
     int solicited_events = -1;
     channel_counters counters;
-    fd_watch* watch = nullptr; // the multishot poll on the channel's fd
+    fd_watch* watch = nullptr;      // event_read::syscall: the multishot poll on the fd
+    event_reader* reader = nullptr; // event_read::ring: the reads of the fd
     service_poller service;
-    bool fd_ready = false; // the fd was reported readable: drain events this turn
+    // syscall path: the fd was reported readable, drain its events this turn; ring path: the
+    // reads brought events this turn (in `fired`).
+    bool fd_ready = false;
     bool spinning = false; // busy, or hybrid within its spin window
     std::chrono::steady_clock::time_point last_completion{};
     std::chrono::nanoseconds spin_window{}; // hybrid: options.hybrid_spin, or adapted
@@ -92,7 +164,7 @@ struct channel_state {
     std::uint32_t spin_turns = 0;
     std::vector<cq_state*> cqs;   // attached CQs (raw: each removes itself)
     std::vector<cq_state*> fired; // CQs with an event this turn
-    int error = 0;                // a failure of the fd poll: the channel is dead
+    int error = 0;                // a failure of the fd's poll or reads: the channel is dead
     bool rearm_due = false;       // a CQ's arming failed for a while: arm it on the next pass
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
@@ -102,9 +174,16 @@ struct channel_state {
 
     void run_service() noexcept;
     // run_service's steps, per polling mode (see channel.cpp).
-    enum class event_read { all_read, interrupted, failed }; // how read_events() ended
+    enum class read_outcome { all_read, interrupted, failed }; // how read_events() ended
     std::optional<std::size_t> handle_wakeup() noexcept;
-    event_read read_events() noexcept;
+    read_outcome read_events() noexcept;
+    // An event of `c` (read by either path): counted, `c` disarmed and listed in `fired`.
+    void take_event(cq_state& c) noexcept;
+    // The ring path: an event a read returned, for the CQ of `cq_context` (a cq_state).
+    void ring_event(void* cq_context) noexcept;
+    // The ring path was refused (`err`): reads with ibv_get_cq_event from now on.
+    void fall_back(int err) noexcept;
+    void start_watch();
     std::size_t service_fired(cq_state& c) noexcept;
     void start_spin() noexcept;
     std::size_t poll_all() noexcept;

@@ -20,6 +20,11 @@ struct verbs_hooks {
     int (*req_notify_cq)(ibv_cq* cq, int solicited_only) noexcept;
     // 0, or -1 with errno set, like ibv_get_cq_event.
     int (*get_cq_event)(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) noexcept;
+    // The ring path's counterpart of get_cq_event (channel_options::read = event_read::ring),
+    // asked each time a read of the channel's fd is about to be queued on the io_uring: 0
+    // queues it; a negative errno ends that read at once with this result instead, before it
+    // read anything, as the kernel ends an interrupted one (-EINTR). The real one returns 0.
+    int (*start_event_read)(ibv_comp_channel* channel) noexcept;
     // The qp's own state changes (to ERR, to RESET); 0 or an errno, like ibv_modify_qp.
     int (*modify_qp)(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) noexcept;
 };
