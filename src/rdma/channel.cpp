@@ -35,6 +35,11 @@ void event_reader::start() {
 void event_reader::ended_without_event(int res) noexcept {
     // Cancelled by us, or nothing read: read again (refill).
     if (res == -ECANCELED || res == -EAGAIN || res == -EINTR) return;
+    // The kernel short of memory for the request (as fd_watch's poll): read again, a bounded
+    // number of times in a row.
+    if ((res == -ENOMEM || res == -ENOBUFS || res == -EBUSY) &&
+        ++transient_failures < fd_watch::max_retries)
+        return;
     if (owner == nullptr || stopped || owner->error != 0) return;
     const int err = res < 0 ? -res : EIO;
     // Refused before any read worked (the kernel cannot read this file through io_uring): the
@@ -68,6 +73,8 @@ void event_reader::refill(std::size_t armed) noexcept {
     }
     if (stopped || cancelling || owner == nullptr || ctx->shutting_down()) return;
     for (slot& s : slots) {
+        // A nested reap (queue() may reap when the ring is full) can stop or fail the reader.
+        if (stopped || cancelling || owner == nullptr) return;
         if (in_flight >= wanted) break;
         if (s.in_flight) continue;
         if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) {
@@ -148,6 +155,7 @@ void event_reader::cqe(operation* op, int res, unsigned) noexcept {
     detail::loop(*r->ctx).finish_background();
     if (res == static_cast<int>(sizeof s.event)) {
         r->read_once = true;
+        r->transient_failures = 0;
         ++r->turn_events;
         // Counted unacked first, whoever gets it: the CQ's destroy waits for its ack.
         const verbs::cq_event ev = verbs::completion_channel::take_event(s.event.cq_handle);
@@ -317,12 +325,18 @@ std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
         read = read_events();
         if (read == read_outcome::failed) return std::nullopt;
     }
-    std::size_t found = 0;
-    for (cq_state* c : fired)
-        found += service_fired(*c);
-    for (cq_state* c : fired)
+    // Serviced from a vector of its own, each CQ unlisted first: the pass may take SQEs, and
+    // taking one may reap (a full ring), which runs the ring's read CQEs; an event read then
+    // goes to `fired` for the next pass (queued below), not past this loop's end, where it
+    // was dropped: its CQ never armed again (review of the ring path).
+    servicing.swap(fired);
+    for (cq_state* c : servicing)
         c->in_fired = false;
-    fired.clear();
+    std::size_t found = 0;
+    for (std::size_t i = 0; i < servicing.size(); ++i)
+        if (cq_state* c = servicing[i]) found += service_fired(*c); // null: destroyed meanwhile
+    servicing.clear();
+    if (!fired.empty()) detail::loop(*ctx).queue_poller(&service);
     if (read == read_outcome::interrupted) {
         fd_ready = true;
         detail::loop(*ctx).queue_poller(&service);

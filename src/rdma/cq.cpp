@@ -55,6 +55,7 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
     buffer.resize(std::bit_ceil(static_cast<std::size_t>(cq.capacity()) + 1));
     channel->cqs.push_back(this);
     channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass
+    channel->servicing.reserve(channel->cqs.size());
     if (channel->options.mode != polling_mode::busy && !channel->spinning) {
         try {
             cq.req_notify(arm_solicited);
@@ -81,6 +82,9 @@ cq_state::~cq_state() {
     set_armed(false);
     std::erase(channel->cqs, this);
     std::erase(channel->fired, this);
+    // Nulled, not erased: a service pass may be walking it (handle_wakeup skips nulls).
+    std::replace(channel->servicing.begin(), channel->servicing.end(), this,
+                 static_cast<cq_state*>(nullptr));
     // The verbs completion_queue acks every event still unacked before ibv_destroy_cq.
     counters.acked_events += cq.unacked_events();
     // The ring path: a read in flight may have taken this CQ's event, its CQE not handled yet,

@@ -99,12 +99,13 @@ struct event_reader {
     std::shared_ptr<ibv_comp_channel> keep_open;
     slot slots[slot_count];
     std::size_t in_flight = 0;
-    std::size_t wanted = 1;       // reads to keep in flight
-    std::size_t turn_events = 0;  // reads that came back with an event since the last refill
-    bool read_once = false;       // a read returned an event: the ring path works here
-    bool stopped = false;         // no more reads: the channel failed or fell back
-    bool cancelling = false;      // every read was cancelled for `retiring`
-    unsigned failed_attempts = 0; // refills in a row that could not get an SQE
+    std::size_t wanted = 1;          // reads to keep in flight
+    std::size_t turn_events = 0;     // reads that came back with an event since the last refill
+    bool read_once = false;          // a read returned an event: the ring path works here
+    bool stopped = false;            // no more reads: the channel failed or fell back
+    bool cancelling = false;         // every read was cancelled for `retiring`
+    unsigned failed_attempts = 0;    // refills in a row that could not get an SQE
+    unsigned transient_failures = 0; // reads in a row the kernel ended ENOMEM, ENOBUFS, EBUSY
     std::vector<verbs::completion_queue> retiring; // CQs to destroy once no read is in flight
 
     explicit event_reader(channel_state& ch);
@@ -162,10 +163,11 @@ struct channel_state {
     // no event can be pending and reading the fd again would only return EAGAIN.
     std::size_t armed_cqs = 0;
     std::uint32_t spin_turns = 0;
-    std::vector<cq_state*> cqs;   // attached CQs (raw: each removes itself)
-    std::vector<cq_state*> fired; // CQs with an event this turn
-    int error = 0;                // a failure of the fd's poll or reads: the channel is dead
-    bool rearm_due = false;       // a CQ's arming failed for a while: arm it on the next pass
+    std::vector<cq_state*> cqs;       // attached CQs (raw: each removes itself)
+    std::vector<cq_state*> fired;     // CQs with an event this turn
+    std::vector<cq_state*> servicing; // the `fired` a service pass works through (handle_wakeup)
+    int error = 0;                    // a failure of the fd's poll or reads: the channel is dead
+    bool rearm_due = false;           // a CQ's arming failed for a while: arm it on the next pass
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
     ~channel_state();
