@@ -90,7 +90,9 @@ def good_client(server, port, clients=1):
         out = (r.stdout + r.stderr).strip()
         if r.returncode == 0 and (want in out if want else re.search(r"\b(\d+) of \1 messages", out)):
             return True, out
-        if "rejected by the peer application" not in out:
+        # On iWARP a flood fills the server's TCP listen backlog: a refused connection there is
+        # the flood's doing (the server is listening: this test started it), so come back too.
+        if "rejected by the peer application" not in out and not (IWARP and "nothing listens" in out):
             return False, out
         time.sleep(0.5)
     return False, out
