@@ -621,19 +621,17 @@ task<void> handshake(std::shared_ptr<listener::state> s, cm_id request, std::str
         // kernel gave the request up is the peer's failure, not the listener's (hostile
         // 'vanish' ended reverse_server through accept()); with the request still live it is
         // ours (a QP the device refuses for our options).
-        if (const auto* se = dynamic_cast<const std::system_error*>(&e);
-            ours && se != nullptr && se->code().value() == EINVAL && request_withdrawn(p->id))
-            ours = false;
+        const auto* se = dynamic_cast<const std::system_error*>(&e);
+        const int err = se != nullptr ? se->code().value() : 0;
+        if (ours && err == EINVAL && request_withdrawn(p->id)) ours = false;
         // Out of resources for another connection while making it (locked memory, fds, the
         // device's QPs or CQs), once this listener has made one: a load condition like the
         // bounds above, not a failure of the listener. The peer is told "busy" and may come
         // back; accept() goes on (a client holding connections until the server's memlock
         // limit ran out ended reverse_server). Before any connection was made it is the
         // listener's setup (a memlock limit too small for even one): thrown from accept().
-        if (const auto* se = dynamic_cast<const std::system_error*>(&e);
-            ours && equipping && s->made > 0 && p->id.awaiting_answer() &&
-            ((se != nullptr && out_of_resources(se->code().value())) ||
-             dynamic_cast<const std::bad_alloc*>(&e) != nullptr)) {
+        if (ours && equipping && s->made > 0 && p->id.awaiting_answer() &&
+            (out_of_resources(err) || dynamic_cast<const std::bad_alloc*>(&e) != nullptr)) {
             reject_busy(*s, p->id, from, "no resources for another connection", e.what());
             co_return;
         }
