@@ -22,9 +22,6 @@
 #include <arpa/inet.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -34,6 +31,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace echo {
 

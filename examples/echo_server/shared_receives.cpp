@@ -39,6 +39,8 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         return it == shared.by_qp.end() ? nullptr : it->second;
     };
     for (;;) {
+        // retire() dropped the queue (the server's end) while a late completion was read.
+        if (!shared.queue) co_return;
         ibv_wc received{};
         std::optional<completion_error> failed;
         try {

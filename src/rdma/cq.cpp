@@ -53,9 +53,10 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
     };
     // A power of two, so that the ring's index wraps with a mask, not a division.
     buffer.resize(std::bit_ceil(static_cast<std::size_t>(cq.capacity()) + 1));
+    // Reserved first: a bad_alloc then leaves nothing of this CQ listed in the channel.
+    channel->fired.reserve(channel->cqs.size() + 1); // no allocation in a service pass
+    channel->servicing.reserve(channel->cqs.size() + 1);
     channel->cqs.push_back(this);
-    channel->fired.reserve(channel->cqs.size()); // no allocation in the first service pass
-    channel->servicing.reserve(channel->cqs.size());
     if (channel->options.mode != polling_mode::busy && !channel->spinning) {
         try {
             cq.req_notify(arm_solicited);
