@@ -175,8 +175,8 @@ io_uring_sqe* io_context::get_sqe(unsigned reserve) {
         enable_ring();
         int r = detail::io_uring_hooks().submit(&ring_);
         if (r >= 0 || r == -EINTR) continue;
-        if ((r == -EBUSY || r == -EAGAIN) && !reaping_ && attempt < 1000) {
-            reap(); // make room in the completion ring, then try again
+        if ((r == -EBUSY || r == -EAGAIN) && attempt < 1000) {
+            set_cqes_aside(); // make room in the completion ring, then try again
             continue;
         }
         throw_system_error(-r, "io_uring_submit");
@@ -264,19 +264,47 @@ void io_context::drain_remote() {
     }
 }
 
-void io_context::reap() {
-    reaping_ = true;
-    unsigned head;
-    unsigned seen = 0;
-    io_uring_cqe* cqe;
-    io_uring_for_each_cqe(&ring_, head, cqe) {
-        ++seen;
-        if (cqe->user_data == detail::ignored_user_data) continue;
-        auto* op = reinterpret_cast<detail::operation*>(cqe->user_data);
-        op->on_cqe(op, cqe->res, cqe->flags);
+// Empties the completion ring into set_aside_ without running a handler: get_sqe() is called
+// from awaiters, pollers and CQE handlers, whose objects a handler run there could end (a
+// qp's flush timer releasing the cq a poller is draining). reap() handles them first.
+void io_context::set_cqes_aside() {
+    while (io_uring_cq_ready(&ring_) != 0) {
+        const io_uring_cqe* cqe = &ring_.cq.cqes[*ring_.cq.khead & ring_.cq.ring_mask];
+        if (cqe->user_data != detail::ignored_user_data)
+            set_aside_.push_back({cqe->user_data, cqe->res, cqe->flags}); // may throw: kept
+        io_uring_cq_advance(&ring_, 1);
     }
-    io_uring_cq_advance(&ring_, seen);
-    reaping_ = false;
+}
+
+void io_context::reap() {
+    // One pass handles what was there when it began: CQEs its handlers cause (a re-armed poll
+    // of a still-readable fd completes at once) wait for the next pass, after the coroutines
+    // the handlers woke have run. What get_sqe() set aside comes first (it is older than what
+    // the ring holds now); a handler that sets more aside (get_sqe() again, which empties the
+    // ring) puts it after, in this pass. Each CQE is consumed before its handler runs, so the
+    // ring's head is right whatever the handler does.
+    std::size_t todo = set_aside_.size() + io_uring_cq_ready(&ring_);
+    std::size_t aside = 0; // set_aside_[0, aside) handled
+    for (; todo > 0; --todo) {
+        detail::set_aside_cqe c;
+        if (aside < set_aside_.size()) {
+            c = set_aside_[aside++];
+        } else if (io_uring_cq_ready(&ring_) != 0) {
+            const io_uring_cqe* cqe = &ring_.cq.cqes[*ring_.cq.khead & ring_.cq.ring_mask];
+            c = {cqe->user_data, cqe->res, cqe->flags};
+            io_uring_cq_advance(&ring_, 1);
+            if (c.user_data == detail::ignored_user_data) continue;
+        } else {
+            break;
+        }
+        auto* op = reinterpret_cast<detail::operation*>(c.user_data);
+        op->on_cqe(op, c.res, c.flags);
+    }
+    if (aside == set_aside_.size())
+        set_aside_.clear();
+    else if (aside != 0)
+        set_aside_.erase(set_aside_.begin(),
+                         set_aside_.begin() + static_cast<std::ptrdiff_t>(aside));
 }
 
 void io_context::enable_ring() {
@@ -298,7 +326,7 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
     const bool defer = (setup_flags_ & IORING_SETUP_DEFER_TASKRUN) != 0;
     const bool coop = (setup_flags_ & IORING_SETUP_COOP_TASKRUN) != 0;
     if (wakeup_rearm_due_) arm_wakeup_retry();
-    if (wait && io_uring_cq_ready(&ring_) == 0)
+    if (wait && io_uring_cq_ready(&ring_) == 0 && set_aside_.empty())
         r = io_uring_submit_and_wait(&ring_, 1);
     else if (io_uring_cq_has_overflow(&ring_)) {
         // CQEs the kernel could not post (the CQ ring was full) wait in its overflow list

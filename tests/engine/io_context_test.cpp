@@ -287,3 +287,67 @@ TEST_CASE(
     guard.join();
     CHECK(posted.load() == 2);
 }
+
+// get_sqe() is called from inside awaiters, pollers and CQE handlers, with their objects on
+// the stack. When the submission ring is full and submitting is refused (EBUSY: the
+// completion ring has no room), it must make room without running any CQE's handler there: a
+// handler may end the life of what the caller is in the middle of (a qp's flush timer
+// releasing the cq a poller is draining), or run a second time. The CQEs it takes out of the
+// ring are handled on the loop's next reap, once each, in their order.
+TEST_CASE("get_sqe() under a refused submission sets CQEs aside; their handlers run on the next "
+          "reap, once each, in order") {
+    io_context io;
+    io.run_once(false); // the ring is enabled, the wakeup read armed
+    bool inside_get_sqe = false;
+    int handled_inside = 0;
+    std::vector<int> order;
+    struct recorder : ringverbs::detail::operation {
+        std::vector<int>* order = nullptr;
+        const bool* inside = nullptr;
+        int* during = nullptr;
+        int id = 0;
+    };
+    recorder ops[3];
+    io_uring* ring = ringverbs::detail::loop(io).native_ring();
+    for (int i = 0; i < 3; ++i) {
+        ops[i].order = &order;
+        ops[i].inside = &inside_get_sqe;
+        ops[i].during = &handled_inside;
+        ops[i].id = i;
+        ops[i].on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
+            auto* r = static_cast<recorder*>(self);
+            r->order->push_back(r->id);
+            if (*r->inside) ++*r->during;
+        };
+        io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data(sqe, static_cast<ringverbs::detail::operation*>(&ops[i]));
+    }
+    REQUIRE(io_uring_submit(ring) == 3); // a NOP completes at once: 3 CQEs wait in the ring
+    REQUIRE(io_uring_cq_ready(ring) >= 3);
+    while (io_uring_sq_space_left(ring) > 0) { // a full submission ring
+        io_uring_sqe* s = io_uring_get_sqe(ring);
+        io_uring_prep_nop(s);
+        io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
+    }
+    const auto real_submit = ringverbs::detail::io_uring_hooks().submit;
+    static int refusals = 0;
+    refusals = 1;
+    static decltype(ringverbs::detail::io_uring_hooks().submit) real = nullptr;
+    real = real_submit;
+    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept {
+        return refusals-- > 0 ? -EBUSY : real(r);
+    };
+    inside_get_sqe = true;
+    io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
+    inside_get_sqe = false;
+    ringverbs::detail::io_uring_hooks().submit = real_submit;
+    io_uring_prep_nop(sqe);
+    io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
+    CHECK(handled_inside == 0);
+    CHECK(order.empty());
+    io.run_once(false);
+    CHECK(order == std::vector<int>{0, 1, 2});
+    io.run_once(false);
+    CHECK(order.size() == 3);
+}

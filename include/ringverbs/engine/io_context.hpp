@@ -214,6 +214,7 @@ class io_context {
     void submit_and_reap(bool wait, bool spinning);
     void enable_ring();
     void reap();
+    void set_cqes_aside();
     std::size_t resume_ready();
     void run_pollers();
     void drain_remote();
@@ -229,7 +230,6 @@ class io_context {
     io_context_counters counters_;
     int wake_fd_ = -1;
     bool shutting_down_ = false;
-    bool reaping_ = false;
     bool ring_disabled_ = false;
     bool wakeup_rearm_due_ = false; // the wakeup read could not be re-armed in the CQE loop
     unsigned spin_turns_ = 0;       // created disabled; enabled by the first thread that submits
@@ -239,6 +239,8 @@ class io_context {
     std::size_t teardown_ = 0;
     std::vector<std::coroutine_handle<>> ready_;
     std::vector<std::coroutine_handle<>> resuming_;
+    // CQEs get_sqe() took out of a full completion ring, for reap() to handle.
+    std::vector<detail::set_aside_cqe> set_aside_;
     detail::poller* pollers_ = nullptr; // queued pollers, sorted by priority (highest first)
     std::atomic<detail::remote_node*> remote_head_{nullptr};
     std::atomic<bool> stop_requested_{false};

@@ -21,6 +21,14 @@ struct operation {
 // io_context drops their CQEs. Nothing of ours is written by the kernel for them.
 inline constexpr std::uint64_t ignored_user_data = 0;
 
+// A CQE taken out of the completion ring before its handler could run (io_context::get_sqe
+// making room): the three fields the handler needs.
+struct set_aside_cqe {
+    std::uint64_t user_data;
+    int res;
+    unsigned flags;
+};
+
 // A unit of work handed to the io_context's thread from any thread (cross-thread post, a
 // std::stop_token fired elsewhere). Intrusive: the node lives in its owner, so pushing never
 // allocates. `run` is called on the io_context's thread.
