@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
+#include <new>
 #include <string>
 #include <thread>
 
@@ -268,15 +269,24 @@ void io_context::drain_remote() {
 // from awaiters, pollers and CQE handlers, whose objects a handler run there could end (a
 // qp's flush timer releasing the cq a poller is draining). reap() handles them first.
 void io_context::set_cqes_aside() {
+    // Room for all of them first: a CQE is never half taken, and the caller (often noexcept,
+    // catching std::system_error to retry on a later turn) gets ENOMEM, not std::bad_alloc.
+    try {
+        set_aside_.reserve(set_aside_.size() + io_uring_cq_ready(&ring_));
+    } catch (const std::bad_alloc&) {
+        throw_system_error(ENOMEM, "io_uring_submit (no memory to set the completion ring's "
+                                   "CQEs aside)");
+    }
     while (io_uring_cq_ready(&ring_) != 0) {
         const io_uring_cqe* cqe = &ring_.cq.cqes[*ring_.cq.khead & ring_.cq.ring_mask];
         if (cqe->user_data != detail::ignored_user_data)
-            set_aside_.push_back({cqe->user_data, cqe->res, cqe->flags}); // may throw: kept
+            set_aside_.push_back({cqe->user_data, cqe->res, cqe->flags}); // reserved
         io_uring_cq_advance(&ring_, 1);
     }
 }
 
 void io_context::reap() {
+    // Not re-entrant (`aside` below): handlers never run the loop, get_sqe() never reaps.
     // One pass handles what was there when it began: CQEs its handlers cause (a re-armed poll
     // of a still-readable fd completes at once) wait for the next pass, after the coroutines
     // the handlers woke have run. What get_sqe() set aside comes first (it is older than what

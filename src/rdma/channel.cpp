@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <string>
 
 namespace ringverbs {
 
@@ -36,12 +37,17 @@ void event_reader::ended_without_event(int res) noexcept {
     // Cancelled by us, or nothing read: read again (refill).
     if (res == -ECANCELED || res == -EAGAIN || res == -EINTR) return;
     // The kernel short of memory for the request (as fd_watch's poll): read again, a bounded
-    // number of times in a row.
-    if ((res == -ENOMEM || res == -ENOBUFS || res == -EBUSY) &&
-        ++transient_failures < fd_watch::max_retries)
-        return;
+    // number of times in a row; then the other path (the channel's poll and ibv_get_cq_event
+    // in the loop), which a shortage of io_uring requests does not stop, rather than a failed
+    // channel.
+    const bool transient = res == -ENOMEM || res == -ENOBUFS || res == -EBUSY;
+    if (transient && ++transient_failures < fd_watch::max_retries) return;
     if (owner == nullptr || stopped || owner->error != 0) return;
     const int err = res < 0 ? -res : EIO;
+    if (transient) {
+        owner->fall_back(err, true);
+        return;
+    }
     // Refused before any read worked (the kernel cannot read this file through io_uring): the
     // other path. Once reads worked, a failure is the channel's (EIO: the device is gone).
     if (!read_once && (err == EINVAL || err == EOPNOTSUPP))
@@ -73,7 +79,7 @@ void event_reader::refill(std::size_t armed) noexcept {
     }
     if (stopped || cancelling || owner == nullptr || ctx->shutting_down()) return;
     for (slot& s : slots) {
-        // A nested reap (queue() may reap when the ring is full) can stop or fail the reader.
+        // A failed start_event_read or queue() below may stop or fail the reader.
         if (stopped || cancelling || owner == nullptr) return;
         if (in_flight >= wanted) break;
         if (s.in_flight) continue;
@@ -242,10 +248,16 @@ void channel_state::fail(int err) noexcept {
         c->fail_waiters(err);
 }
 
-void channel_state::fall_back(int err) noexcept {
-    diagnose("completion channel fd %d: the kernel refused to read its events through io_uring "
-             "(%s): reading them with ibv_get_cq_event",
-             channel.fd(), std::system_category().message(err).c_str());
+void channel_state::fall_back(int err, bool transient) noexcept {
+    const std::string why = std::system_category().message(err);
+    if (transient)
+        diagnose("completion channel fd %d: reads of its events through io_uring failed %u times "
+                 "in a row (%s): reading them with ibv_get_cq_event",
+                 channel.fd(), fd_watch::max_retries, why.c_str());
+    else
+        diagnose("completion channel fd %d: the kernel refused to read its events through "
+                 "io_uring (%s): reading them with ibv_get_cq_event",
+                 channel.fd(), why.c_str());
     options.read = event_read::syscall;
     reader->stop(); // reads still in flight deliver what they read
     try {
@@ -325,10 +337,11 @@ std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
         read = read_events();
         if (read == read_outcome::failed) return std::nullopt;
     }
-    // Serviced from a vector of its own, each CQ unlisted first: the pass may take SQEs, and
-    // taking one may reap (a full ring), which runs the ring's read CQEs; an event read then
-    // goes to `fired` for the next pass (queued below), not past this loop's end, where it
-    // was dropped: its CQ never armed again (review of the ring path).
+    // Serviced from a vector of its own, each CQ unlisted first: an event that reaches `fired`
+    // during the pass (a waiter's timer or a dispatch that ends a CQ's state; before
+    // io_context::get_sqe() set CQEs aside, also a nested reap of the ring's reads) goes to
+    // the next pass (queued below), not past this loop's end, where it was dropped: its CQ
+    // never armed again (review of the ring path).
     servicing.swap(fired);
     for (cq_state* c : servicing)
         c->in_fired = false;
@@ -358,7 +371,11 @@ void channel_state::take_event(cq_state& c) noexcept {
 }
 
 void channel_state::ring_event(void* cq_context) noexcept {
-    if (error != 0) return; // counted unacked already: acked when its CQ goes
+    if (error != 0) return;      // counted unacked already: acked when its CQ goes
+    if (cq_context == nullptr) { // its cq is gone, the CQ lives on (~cq_state)
+        ++counters.gone_cq_events;
+        return;
+    }
     if (fired.empty()) {
         ++counters.wakeups; // the first event of this turn
         detail::loop(*ctx).queue_poller(&service);
@@ -386,6 +403,10 @@ channel_state::read_outcome channel_state::read_events() noexcept {
             return read_outcome::interrupted;
         }
         if (!ev) break;
+        if (ev->user_context == nullptr) { // its cq is gone, the CQ lives on (~cq_state)
+            ++counters.gone_cq_events;
+            continue;
+        }
         take_event(*static_cast<cq_state*>(ev->user_context));
     }
     return read_outcome::all_read;

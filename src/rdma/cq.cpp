@@ -78,6 +78,9 @@ cq_state::cq_state(std::shared_ptr<channel_state> ch, int entries, int comp_vect
 }
 
 cq_state::~cq_state() {
+    // The CQ may outlive this state (a QP or a handle() shares it); an event it raises later
+    // must not lead here (channel_counters::gone_cq_events).
+    cq.set_user_context(nullptr);
     unregister_object(cq.native());
     const bool may_have_event = armed; // each arm raises at most one event
     set_armed(false);

@@ -330,23 +330,45 @@ TEST_CASE("get_sqe() under a refused submission sets CQEs aside; their handlers 
         io_uring_prep_nop(s);
         io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
     }
-    const auto real_submit = ringverbs::detail::io_uring_hooks().submit;
     static int refusals = 0;
     refusals = 1;
     static decltype(ringverbs::detail::io_uring_hooks().submit) real = nullptr;
-    real = real_submit;
+    struct restore_submit {
+        decltype(real) saved = ringverbs::detail::io_uring_hooks().submit;
+        ~restore_submit() { ringverbs::detail::io_uring_hooks().submit = saved; }
+    } restore;
+    real = restore.saved;
     ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept {
         return refusals-- > 0 ? -EBUSY : real(r);
     };
     inside_get_sqe = true;
     io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
     inside_get_sqe = false;
-    ringverbs::detail::io_uring_hooks().submit = real_submit;
     io_uring_prep_nop(sqe);
     io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
     CHECK(handled_inside == 0);
     CHECK(order.empty());
-    io.run_once(false);
+    // Nothing else will complete: the fillers' CQEs (nobody's) are consumed here, the wakeup
+    // read waits. A loop that blocked now would wait for ever with three CQEs in hand: a
+    // guard thread posts after 5 s to unblock it, and says so.
+    io_uring_sqe* last = io_uring_get_sqe(ring);
+    io_uring_prep_nop(last);
+    io_uring_sqe_set_data64(last, ringverbs::detail::ignored_user_data);
+    REQUIRE(io_uring_submit(ring) >= 1);
+    io_uring_cq_advance(ring, io_uring_cq_ready(ring));
+    std::atomic<bool> returned{false}, guard_posted{false};
+    std::thread guard([&] {
+        for (int i = 0; i < 100 && !returned.load(); ++i)
+            std::this_thread::sleep_for(50ms);
+        if (!returned.load()) {
+            guard_posted = true;
+            io.post([] {});
+        }
+    });
+    io.run_once(true);
+    returned = true;
+    guard.join();
+    CHECK_FALSE(guard_posted.load());
     CHECK(order == std::vector<int>{0, 1, 2});
     io.run_once(false);
     CHECK(order.size() == 3);

@@ -558,6 +558,44 @@ TEST_CASE("event_read::syscall is kept when asked for, and a refused ring read f
     CHECK(said);
 }
 
+TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event, with a "
+          "diagnostics line, instead of failing the channel") {
+    device dev;
+    io_context io;
+    region out(dev.pd, 64), in(dev.pd, 64);
+    std::vector<std::string> lines;
+    static std::vector<std::string>* seen = nullptr;
+    seen = &lines;
+    const diagnostics_sink before =
+        set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
+    {
+        loopback lp(dev, io);
+        CHECK(lp.ch.event_path() == event_read::ring);
+        CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, 1))); // reads worked
+        {
+            starve_ring_reads starved;
+            for (int i = 0; i < 5; ++i)
+                CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))));
+            CHECK(starve_ring_reads::starved() ==
+                  static_cast<int>(ringverbs::detail::fd_watch::max_retries));
+        }
+        CHECK(lp.ch.event_path() == event_read::syscall);
+        CHECK(lp.ch.error() == 0);
+        const std::uint64_t events = lp.ch.counters().events;
+        for (int i = 0; i < 5; ++i)
+            CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))));
+        CHECK(lp.ch.counters().events > events);
+    }
+    set_diagnostics_sink(before);
+    bool said = false;
+    for (const std::string& line : lines) {
+        MESSAGE(line);
+        said = said || line.find("failed 1000 times in a row (Cannot allocate memory)") !=
+                           std::string::npos;
+    }
+    CHECK(said);
+}
+
 TEST_CASE("channel counters mean the same on both event paths: every event counted, acked and "
           "followed by an arm; wakeups at most one per event") {
     for (event_read path : event_paths) {

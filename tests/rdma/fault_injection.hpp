@@ -222,6 +222,29 @@ class refuse_ring_reads {
     refuse_ring_reads& operator=(const refuse_ring_reads&) = delete;
 };
 
+// Makes every read of a completion channel's events through the ring end without an event,
+// the kernel short of memory for it (ENOMEM), while it lives; counts them.
+class starve_ring_reads {
+  public:
+    starve_ring_reads() noexcept {
+        starved_ = 0;
+        ringverbs::detail::hooks().start_event_read = [](ibv_comp_channel*) noexcept {
+            ++starved_;
+            return -ENOMEM;
+        };
+    }
+    ~starve_ring_reads() {
+        ringverbs::detail::hooks().start_event_read =
+            ringverbs::detail::real_verbs().start_event_read;
+    }
+    starve_ring_reads(const starve_ring_reads&) = delete;
+    starve_ring_reads& operator=(const starve_ring_reads&) = delete;
+    static int starved() noexcept { return starved_; }
+
+  private:
+    static inline int starved_ = 0;
+};
+
 // Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
 // fail (EBUSY), while it lives: every wait that needs an SQE throws "io_uring_submit".
 class refuse_submission {

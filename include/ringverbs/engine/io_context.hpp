@@ -177,8 +177,9 @@ class io_context {
 
     // Returns a free SQE and guarantees `reserve - 1` more after it (for linked requests:
     // take those with io_uring_get_sqe(native_ring()), which cannot fail then), submitting
-    // queued requests first when the ring is too full. Throws std::system_error naming
-    // io_uring_submit.
+    // queued requests first when the ring is too full. Runs no CQE's handler: when submitting
+    // is refused for want of room in the completion ring, its CQEs are set aside for the next
+    // reap. Throws std::system_error naming io_uring_submit (ENOMEM when even that fails).
     io_uring_sqe* get_sqe(unsigned reserve = 1);
     // Counts one more operation that owes a final CQE; finish_operation() when it arrives.
     // Operations are work: run() does not return while one is in flight.

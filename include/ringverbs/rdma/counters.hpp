@@ -19,6 +19,10 @@ struct channel_counters {
     std::uint64_t empty_polls = 0; // ibv_poll_cq calls that found nothing
     std::uint64_t completions = 0; // work completions polled
     std::uint64_t arm_retries = 0; // ibv_req_notify_cq failed for a while: armed again later
+    // Events of a CQ whose ringverbs::cq was destroyed while the CQ itself lived on (a QP or a
+    // completion_queue::handle() still held it) and was armed: not dispatched; acked when the
+    // CQ goes.
+    std::uint64_t gone_cq_events = 0;
 };
 
 struct cq_counters {

@@ -96,8 +96,12 @@ class completion_queue {
     // The completion vector given at creation.
     [[nodiscard]] int comp_vector() const noexcept { return state_->comp_vector; }
 
-    // The user_context given at creation.
+    // The user_context given at creation (or set since), returned with each of its events.
     [[nodiscard]] void* user_context() const noexcept { return state_->user_context; }
+    // Replaces it: for an owner that goes while the CQ lives on (shared by a QP or a
+    // handle()), so that a later event does not lead to it. Not thread-safe against an
+    // event read on another thread.
+    void set_user_context(void* user_context) noexcept { state_->user_context = user_context; }
 
     // Moves up to out.size() completions into `out`; returns how many (0 when empty). Throws
     // std::system_error(EIO) naming ibv_poll_cq when the provider reports a failure (it gives

@@ -183,8 +183,9 @@ struct channel_state {
     void take_event(cq_state& c) noexcept;
     // The ring path: an event a read returned, for the CQ of `cq_context` (a cq_state).
     void ring_event(void* cq_context) noexcept;
-    // The ring path was refused (`err`): reads with ibv_get_cq_event from now on.
-    void fall_back(int err) noexcept;
+    // The ring path was refused (`err`), or failed for a while (`transient`: ENOMEM, ENOBUFS,
+    // EBUSY max_retries times in a row): reads with ibv_get_cq_event from now on.
+    void fall_back(int err, bool transient = false) noexcept;
     void start_watch();
     std::size_t service_fired(cq_state& c) noexcept;
     void start_spin() noexcept;
