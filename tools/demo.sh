@@ -34,11 +34,10 @@ if [ "${1:-}" = --inside ]; then # where the device is
     exit $rc
 fi
 
+# shellcheck source=SCRIPTDIR/lib/common.sh
+. tools/lib/common.sh # ensure_build
 bash tools/lib/install-deps.sh
-if [ ! -f build/build.ninja ]; then
-    meson setup build --buildtype=debugoptimized
-fi
-ninja -C build examples/echo_server examples/echo_client
+ensure_build build debugoptimized examples/echo_server examples/echo_client
 echo
 echo "=== ringverbs demo: echo over RDMA (rdma_cm, RC SEND/RECV; Soft-RoCE VM when there is no device)"
 rc=0
