@@ -143,10 +143,16 @@ task<void> connection::watch_disconnect() {
         watch_scope& operator=(const watch_scope&) = delete;
     } const scope(watching_);
     bool gone = true;
+    std::string watch_failed; // the CM events failed (not ended by us): nothing else would close
     try {
         co_await id_.disconnected(wait_options(ending_.get_token()));
-    } catch (const std::system_error&) {
+    } catch (const std::system_error& e) {
         gone = false; // closed, or failed, first (operation_canceled)
+        if (e.code() != std::errc::operation_canceled) watch_failed = e.what();
+    }
+    if (!watch_failed.empty() && !closing_) {
+        co_await close("its connection events failed: " + watch_failed);
+        co_return;
     }
     if (!gone && cut_off_ && !closing_) {
         // An echo cut off in flight (iWARP): the client's end if its DISCONNECTED comes soon.

@@ -210,7 +210,8 @@ class cm_id {
     disconnect_awaitable disconnect(wait_options options = {}) noexcept;
     // co_await id.disconnected(): resumes when the connection is gone (either side
     // disconnected, or the peer vanished). Throws std::system_error "cm_id::disconnected" with
-    // timed_out or operation_canceled.
+    // timed_out or operation_canceled; with ENODEV when the device went away
+    // (DEVICE_REMOVAL), or the errno with which the id's event channel failed.
     disconnect_awaitable disconnected(wait_options options = {}) noexcept;
     bool is_disconnected() const noexcept { return state_->disconnected; }
     // True for an accepted request not answered yet: neither its rdma_accept nor a reject
