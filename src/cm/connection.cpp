@@ -411,6 +411,9 @@ cm_id& connection::id() noexcept {
 cm_channel& connection::events() noexcept {
     return *parts_->events;
 }
+channel& connection::completion_channel() noexcept {
+    return *parts_->completion_channel;
+}
 
 task<connection> connect(io_context& io, std::string address, connection_options options,
                          std::stop_token stop) {

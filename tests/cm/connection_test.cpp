@@ -84,10 +84,16 @@ TEST_CASE("connect and accept in a few lines: private data both ways, messages b
         CHECK(s1.pd().native() == s2.pd().native());
         CHECK(&s1.completions() != &s2.completions());
         CHECK(s1.completions().native() != c1.completions().native());
+        CHECK(&s1.completion_channel() == &c1.completion_channel());
+        CHECK(&s2.completion_channel() == &c2.completion_channel());
+        CHECK(&s1.completion_channel() == &s2.completion_channel());
+        const std::uint64_t events = s1.completion_channel().counters().events;
         co_await exchange(c1, s1, 1);
         co_await exchange(s1, c1, 2);
         co_await exchange(c2, s2, 3);
         co_await exchange(s2, c2, 4);
+        CHECK(s1.completion_channel().counters().events > events); // it read their events
+        CHECK(s1.completion_channel().error() == 0);
         co_await c1.disconnect(wait_options(10s));
         co_await s1.disconnected(wait_options(10s));
         CHECK(s1.is_disconnected());
@@ -426,6 +432,9 @@ TEST_CASE("the polling mode is an option: a busy-polled connection and an event-
     busy.caps.max_inline_data = 64;
     auto run = [&]() -> task<void> {
         auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at, busy));
+        // One channel per set of options: the busy one is not the listener's.
+        CHECK(&s.completion_channel() != &c.completion_channel());
+        CHECK(c.completion_channel().mode() == polling_mode::busy);
         for (std::uint8_t i = 0; i < 20; ++i) {
             co_await exchange(c, s, i);
             co_await exchange(s, c, static_cast<std::uint8_t>(100 + i));

@@ -158,6 +158,10 @@ class connection {
     // The pieces underneath, for what this layer does not do.
     qp& queue_pair() noexcept;
     cq& completions() noexcept;
+    // The completion channel of completions(): shared by the connections of this io_context on
+    // the same device with equal connection_options::completion (its counters(), its
+    // event_path(), its error() count for all of them).
+    channel& completion_channel() noexcept;
     // The connection's recv_ring (null without connection_options::receive_slots).
     recv_ring* receives() noexcept;
     cm_id& id() noexcept;

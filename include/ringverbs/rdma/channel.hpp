@@ -50,8 +50,10 @@ class channel {
     // (event_read::syscall).
     std::uint64_t rearms() const noexcept { return state_->watch ? state_->watch->rearms() : 0; }
     // 0 while the channel works; else the errno that ended it (the fd's poll or
-    // ibv_get_cq_event or a ring read of the fd failed): no event of its CQs is read any more, for
-    // good, and their next() waits fail with that errno.
+    // ibv_get_cq_event or a ring read of the fd failed; ring reads short of memory for 1000
+    // tries in a row switch to event_read::syscall instead): no event of its CQs is read any
+    // more, for good, and their next() waits fail with that errno. A qp's requests on those
+    // CQs are not ended by it: they end by their wait_options timeout (or when the device goes).
     int error() const noexcept { return state_->error; }
 
   private:
