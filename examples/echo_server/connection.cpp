@@ -148,10 +148,13 @@ task<void> connection::watch_disconnect() {
         co_await id_.disconnected(wait_options(ending_.get_token()));
     } catch (const std::system_error& e) {
         gone = false; // closed, or failed, first (operation_canceled)
-        if (e.code() != std::errc::operation_canceled) watch_failed = e.what();
+        if (e.code() == std::errc::no_such_device)
+            watch_failed = "the RDMA device went away";
+        else if (e.code() != std::errc::operation_canceled)
+            watch_failed = std::string("its connection events failed: ") + e.what();
     }
     if (!watch_failed.empty() && !closing_) {
-        co_await close("its connection events failed: " + watch_failed);
+        co_await close(std::move(watch_failed));
         co_return;
     }
     if (!gone && cut_off_ && !closing_) {

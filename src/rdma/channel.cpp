@@ -163,12 +163,11 @@ void event_reader::cqe(operation* op, int res, unsigned) noexcept {
         r->read_once = true;
         r->transient_failures = 0;
         ++r->turn_events;
-        // Counted unacked first, whoever gets it: the CQ's destroy waits for its ack.
+        // Counted unacked first, whoever gets it: the CQ's destroy waits for its ack. A CQ
+        // whose state is gone (retired here, or living on in a QP) has no user context any
+        // more (~cq_state): ring_event counts the event in gone_cq_events.
         const verbs::cq_event ev = verbs::completion_channel::take_event(s.event.cq_handle);
-        bool retired = false;
-        for (const verbs::completion_queue& q : r->retiring)
-            retired = retired || q.native() == ev.cq;
-        if (r->owner != nullptr && !retired) r->owner->ring_event(ev.user_context);
+        if (r->owner != nullptr) r->owner->ring_event(ev.user_context);
     } else {
         r->ended_without_event(res);
     }

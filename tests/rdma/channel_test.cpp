@@ -566,9 +566,13 @@ TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event,
     std::vector<std::string> lines;
     static std::vector<std::string>* seen = nullptr;
     seen = &lines;
-    const diagnostics_sink before =
-        set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
+    struct restore_sink { // also when a constructor or a REQUIRE throws
+        diagnostics_sink before =
+            set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
+        ~restore_sink() { set_diagnostics_sink(before); }
+    };
     {
+        const restore_sink restore;
         loopback lp(dev, io);
         CHECK(lp.ch.event_path() == event_read::ring);
         CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, 1))); // reads worked
@@ -586,7 +590,6 @@ TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event,
             CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))));
         CHECK(lp.ch.counters().events > events);
     }
-    set_diagnostics_sink(before);
     bool said = false;
     for (const std::string& line : lines) {
         MESSAGE(line);

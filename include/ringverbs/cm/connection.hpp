@@ -160,7 +160,8 @@ class connection {
     cq& completions() noexcept;
     // The completion channel of completions(): shared by the connections of this io_context on
     // the same device with equal connection_options::completion (its counters(), its
-    // event_path(), its error() count for all of them).
+    // event_path(), its error() count for all of them); once it failed (error() != 0), new
+    // connections get a fresh one.
     channel& completion_channel() noexcept;
     // The connection's recv_ring (null without connection_options::receive_slots).
     recv_ring* receives() noexcept;

@@ -39,7 +39,7 @@ class channel {
     const channel_counters& counters() const noexcept { return state_->counters; }
     polling_mode mode() const noexcept { return state_->options.mode; }
     // How events are read (events and hybrid modes): channel_options::read, or
-    // event_read::syscall once the ring path was refused here (see event_read).
+    // event_read::syscall once the ring path was refused here, or starved (see event_read).
     event_read event_path() const noexcept { return state_->options.read; }
     int priority() const noexcept { return state_->options.priority; }
     io_context& context() const noexcept { return *state_->ctx; }

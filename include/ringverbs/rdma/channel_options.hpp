@@ -45,7 +45,8 @@ enum class event_read {
     // Reads of the fd queued on the io_context's ring (IORING_OP_READ, one event each): the
     // event arrives with the wakeup, one system call fewer per wakeup. Relies on the
     // provider's cq_event op being reachable (see docs/design.md); where the kernel refuses
-    // such reads, the channel says so (diagnostics) and reads with ibv_get_cq_event instead.
+    // such reads, or they end short of memory (ENOMEM, ENOBUFS, EBUSY) 1000 times in a row,
+    // the channel says so (diagnostics) and reads with ibv_get_cq_event instead.
     ring,
     // A multishot io_uring poll of the fd, then ibv_get_cq_event until every armed CQ had its
     // event (or EAGAIN): what libibverbs promises, one read() per wakeup more.
