@@ -41,6 +41,15 @@ std::string io_uring_unavailable_reason(int err) {
     return why;
 }
 
+// The CQE at the completion ring's head, copied, and the head moved past it (the kernel may
+// reuse its slot from then on). The ring must hold one.
+detail::set_aside_cqe consume_head(io_uring& ring) noexcept {
+    const io_uring_cqe* cqe = &ring.cq.cqes[*ring.cq.khead & ring.cq.ring_mask];
+    const detail::set_aside_cqe c{cqe->user_data, cqe->res, cqe->flags};
+    io_uring_cq_advance(&ring, 1);
+    return c;
+}
+
 } // namespace
 
 io_context::io_context(io_context_options options) {
@@ -278,10 +287,8 @@ void io_context::set_cqes_aside() {
                                    "CQEs aside)");
     }
     while (io_uring_cq_ready(&ring_) != 0) {
-        const io_uring_cqe* cqe = &ring_.cq.cqes[*ring_.cq.khead & ring_.cq.ring_mask];
-        if (cqe->user_data != detail::ignored_user_data)
-            set_aside_.push_back({cqe->user_data, cqe->res, cqe->flags}); // reserved
-        io_uring_cq_advance(&ring_, 1);
+        const detail::set_aside_cqe c = consume_head(ring_);
+        if (c.user_data != detail::ignored_user_data) set_aside_.push_back(c); // reserved
     }
 }
 
@@ -293,16 +300,14 @@ void io_context::reap() {
     // the ring holds now); a handler that sets more aside (get_sqe() again, which empties the
     // ring) puts it after, in this pass. Each CQE is consumed before its handler runs, so the
     // ring's head is right whatever the handler does.
-    std::size_t todo = set_aside_.size() + io_uring_cq_ready(&ring_);
-    std::size_t aside = 0; // set_aside_[0, aside) handled
-    for (; todo > 0; --todo) {
+    std::size_t due = set_aside_.size() + io_uring_cq_ready(&ring_); // this pass's CQEs
+    std::size_t aside = 0;                                           // set_aside_[0, aside) handled
+    for (; due > 0; --due) {
         detail::set_aside_cqe c;
         if (aside < set_aside_.size()) {
             c = set_aside_[aside++];
         } else if (io_uring_cq_ready(&ring_) != 0) {
-            const io_uring_cqe* cqe = &ring_.cq.cqes[*ring_.cq.khead & ring_.cq.ring_mask];
-            c = {cqe->user_data, cqe->res, cqe->flags};
-            io_uring_cq_advance(&ring_, 1);
+            c = consume_head(ring_);
             if (c.user_data == detail::ignored_user_data) continue;
         } else {
             break;

@@ -540,7 +540,7 @@ TEST_CASE("event_read::syscall is kept when asked for, and a refused ring read f
     const diagnostics_sink before =
         set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
     {
-        refuse_ring_reads refused;
+        fail_ring_reads refused(EINVAL);
         loopback lp(dev, io);
         CHECK(lp.ch.event_path() == event_read::syscall);
         CHECK(lp.ch.error() == 0);
@@ -577,10 +577,10 @@ TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event,
         CHECK(lp.ch.event_path() == event_read::ring);
         CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, 1))); // reads worked
         {
-            starve_ring_reads starved;
+            fail_ring_reads starved(ENOMEM);
             for (int i = 0; i < 5; ++i)
                 CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))));
-            CHECK(starve_ring_reads::starved() ==
+            CHECK(fail_ring_reads::calls() ==
                   static_cast<int>(ringverbs::detail::fd_watch::max_retries));
         }
         CHECK(lp.ch.event_path() == event_read::syscall);

@@ -204,45 +204,31 @@ class interrupt_events {
     static inline int refused_ = 0;
 };
 
-// Makes every read of a completion channel's events through the ring refused as a kernel
-// without support refuses it (EINVAL), while it lives: such a channel falls back to
-// ibv_get_cq_event.
-class refuse_ring_reads {
-  public:
-    refuse_ring_reads() noexcept {
-        ringverbs::detail::hooks().start_event_read = [](ibv_comp_channel*) noexcept {
-            return -EINVAL;
-        };
-    }
-    ~refuse_ring_reads() {
-        ringverbs::detail::hooks().start_event_read =
-            ringverbs::detail::real_verbs().start_event_read;
-    }
-    refuse_ring_reads(const refuse_ring_reads&) = delete;
-    refuse_ring_reads& operator=(const refuse_ring_reads&) = delete;
-};
-
 // Makes every read of a completion channel's events through the ring end without an event,
-// the kernel short of memory for it (ENOMEM), while it lives; counts them.
-class starve_ring_reads {
+// with `err`, while it lives; counts them. EINVAL: refused as a kernel without support refuses
+// it (such a channel falls back to ibv_get_cq_event at once); ENOMEM: the kernel short of
+// memory for it (retried, then the same fallback).
+class fail_ring_reads {
   public:
-    starve_ring_reads() noexcept {
-        starved_ = 0;
+    explicit fail_ring_reads(int err) noexcept {
+        err_ = err;
+        calls_ = 0;
         ringverbs::detail::hooks().start_event_read = [](ibv_comp_channel*) noexcept {
-            ++starved_;
-            return -ENOMEM;
+            ++calls_;
+            return -err_;
         };
     }
-    ~starve_ring_reads() {
+    ~fail_ring_reads() {
         ringverbs::detail::hooks().start_event_read =
             ringverbs::detail::real_verbs().start_event_read;
     }
-    starve_ring_reads(const starve_ring_reads&) = delete;
-    starve_ring_reads& operator=(const starve_ring_reads&) = delete;
-    static int starved() noexcept { return starved_; }
+    fail_ring_reads(const fail_ring_reads&) = delete;
+    fail_ring_reads& operator=(const fail_ring_reads&) = delete;
+    static int calls() noexcept { return calls_; }
 
   private:
-    static inline int starved_ = 0;
+    static inline int err_ = 0;
+    static inline int calls_ = 0;
 };
 
 // Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
