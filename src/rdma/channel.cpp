@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <new>
 #include <string>
 
 namespace ringverbs {
@@ -263,6 +264,8 @@ void channel_state::fall_back(int err, bool transient) noexcept {
         start_watch();
     } catch (const std::system_error& e) {
         fail(e.code().value());
+    } catch (const std::bad_alloc&) { // the watch's own allocation: noexcept here
+        fail(ENOMEM);
     }
 }
 
