@@ -246,6 +246,12 @@ void channel_state::fail(int err) noexcept {
     fired.clear();
     for (cq_state* c : cqs)
         c->fail_waiters(err);
+    // Nothing of the QPs on these CQs can be read any more: what they owe ends now, and their
+    // posts are refused (qp_state::cut_off). Those of another io_context sharing a CQ (rare)
+    // are that thread's: not touched from here, their waits end by their own deadlines.
+    for (cq_state* c : cqs)
+        for (qp_state* q : c->qps)
+            if (q->ctx == ctx) q->cut_off(err);
 }
 
 void channel_state::fall_back(int err, bool transient) noexcept {

@@ -86,6 +86,12 @@ void throw_failed_completion(const ibv_wc& wc, const std::string& what, bool clo
         throw_system_error(EIO, what + ": never flushed by the device: the QP was in the error "
                                        "state for qp_options::flush_timeout with this request "
                                        "owed, and was reset; its buffer is free again");
+    if (wc.status == IBV_WC_WR_FLUSH_ERR)
+        if (const int err = channel_failed_errno(wc.vendor_err); err != 0)
+            throw_system_error(err, what + ": a completion channel of its QP's CQs failed (see "
+                                           "channel::error()), so its completion could never be "
+                                           "read: the QP was reset, the request never completed; "
+                                           "its buffer is free again");
     if (closed) throw connection_reset(wc, what.c_str());
     throw completion_error(wc, what.c_str());
 }

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 namespace ringverbs {
 
@@ -176,6 +177,14 @@ void qp_state::to_error() noexcept {
 }
 
 void qp_state::posting_while_in_error(const char* verb) {
+    if (lost)
+        throw_system_error(ENODEV, std::string(verb) + ": the RDMA device is gone (" + lost +
+                                       "): nothing can be posted any more");
+    if (channel_failed != 0)
+        throw_system_error(channel_failed,
+                           std::string(verb) + ": qp " + std::to_string(qp.qp_num()) +
+                               ": a completion channel of its CQs failed, so nothing posted "
+                               "could complete any more (channel::error())");
     // The user may have reset and connected the QP again since (through native_qp(), which
     // we do not see): ask the device. Only on this path, never on a healthy QP's posts. RESET
     // does not count as out of error: a device that never reports the state says RESET (siw:
@@ -285,6 +294,25 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     }
 }
 
+void qp_state::cut_off(int err) noexcept {
+    if (lost || channel_failed != 0) return;
+    channel_failed = err;
+    if (pending_count > 0)
+        diagnose("qp %u: a completion channel of its CQs failed (%s): its %zu owed requests end "
+                 "now",
+                 qp.qp_num(), std::system_category().message(err).c_str(), pending_count);
+    // Nothing of this QP's could be read any more: RESET, so that nothing it holds completes
+    // after the made-up ends (the device's flushes polled first, read as the same failure).
+    reset(channel_failed_vendor_err(err));
+    in_error = true; // posts take the slow path, which refuses them
+}
+
+std::uint32_t qp_state::cut_off_vendor_err() const noexcept {
+    if (lost) return device_lost_vendor_err;
+    if (channel_failed != 0) return channel_failed_vendor_err(channel_failed);
+    return 0;
+}
+
 void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
     if (self->pending_count > 0) self->to_error();
     // Freed with `self`, unless the flush timer is in flight (owed requests, or a cancelled
@@ -298,20 +326,10 @@ void qp_state::release(std::shared_ptr<qp_state> self) noexcept {
 
 } // namespace detail
 
-using detail::device_lost_vendor_err;
 using detail::hooks;
 using detail::never_flushed_vendor_err;
 using detail::qp_state;
 using detail::wr_id_for;
-
-namespace {
-
-// Why a post to a qp of a device that went away is refused.
-std::string gone_note(const qp_state& q) {
-    return std::string("the RDMA device is gone (") + q.lost + "): nothing can be posted any more";
-}
-
-} // namespace
 
 qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
                      wait_options options) noexcept
@@ -363,10 +381,8 @@ void qp::request::post() {
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
         throw_system_error(EINVAL, std::string(name_) +
                                        ": the qp receives from an srq: post the receive there");
-    if (qp_->in_error || qp_->reset_by_us) [[unlikely]] {
-        if (qp_->lost) throw_system_error(ENODEV, std::string(name_) + ": " + gone_note(*qp_));
+    if (qp_->in_error || qp_->reset_by_us) [[unlikely]]
         qp_->posting_while_in_error(name_);
-    }
     if (!signaled_ && post_unsignaled()) return;
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
@@ -501,9 +517,11 @@ void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
         self->failed_ = true;
         self->first_error_ = wc;
-        // Flushed because its device went away (device_lost reset the QP): reads as that.
-        if (wc.status == IBV_WC_WR_FLUSH_ERR && self->qp_->lost)
-            self->first_error_.vendor_err = device_lost_vendor_err;
+        // Flushed because its device went away or its channel failed (cut off: the QP was
+        // reset): reads as that.
+        if (wc.status == IBV_WC_WR_FLUSH_ERR)
+            if (const std::uint32_t v = self->qp_->cut_off_vendor_err(); v != 0)
+                self->first_error_.vendor_err = v;
         self->closed_ = self->qp_->flushed_by_closed_connection(wc);
     }
     if (!last) return;
@@ -605,7 +623,8 @@ qp& qp::operator=(qp&& other) noexcept {
 }
 
 void qp::to_error() {
-    if (state_->lost) return; // reset when its device went away: nothing is left to flush
+    // Reset when its device went away or its channel failed: nothing is left to flush.
+    if (state_->cut_off_vendor_err() != 0) return;
     state_->move_to(IBV_QPS_ERR);
     state_->in_error = true;
     state_->watch_flush();

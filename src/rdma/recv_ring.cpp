@@ -15,13 +15,8 @@ namespace detail {
 
 void recv_ring_state::post(std::uint32_t i) {
     slot& s = slots[i];
-    if (qp->in_error || qp->reset_by_us) [[unlikely]] {
-        if (qp->lost)
-            throw_system_error(ENODEV, std::string("ibv_post_recv (recv_ring): the RDMA device is "
-                                                   "gone (") +
-                                           qp->lost + ")");
+    if (qp->in_error || qp->reset_by_us) [[unlikely]]
         qp->posting_while_in_error("ibv_post_recv (recv_ring)");
-    }
     ibv_recv_wr* bad = nullptr;
     s.wr.next = nullptr;
     if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0)
@@ -76,8 +71,9 @@ void recv_ring_state::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     s->posted = false;
     s->done = true;
     s->wc = wc;
-    // Flushed because its device went away (device_lost reset the QP): reads as that.
-    if (wc.status == IBV_WC_WR_FLUSH_ERR && r->qp->lost) s->wc.vendor_err = device_lost_vendor_err;
+    // Flushed because its device went away or its channel failed (cut off): reads as that.
+    if (wc.status == IBV_WC_WR_FLUSH_ERR)
+        if (const std::uint32_t v = r->qp->cut_off_vendor_err(); v != 0) s->wc.vendor_err = v;
     s->closed = wc.status != IBV_WC_SUCCESS && r->qp->flushed_by_closed_connection(wc);
     s->violation = false;
     s->length = 0;

@@ -599,6 +599,78 @@ TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event,
     CHECK(said);
 }
 
+TEST_CASE("a failed channel ends what the QPs on its CQs owe with its errno, once, and "
+          "refuses their posts") {
+    device dev;
+    io_context io;
+    region out(dev.pd, 64), in(dev.pd, 64);
+    std::vector<std::string> lines;
+    static std::vector<std::string>* seen = nullptr;
+    seen = &lines;
+    struct restore_sink {
+        diagnostics_sink before =
+            set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
+        ~restore_sink() { set_diagnostics_sink(before); }
+    };
+    const restore_sink restore;
+    const watchdog guard(60s, "a failed channel's owed requests");
+    loopback lp(dev, io);
+    REQUIRE(lp.ch.event_path() == event_read::ring);
+    CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, 1))); // reads worked: a failure is fatal
+    struct outcome {
+        bool delivered = false; // the exchange that brought the failing read completed
+        int owed_error = 0;
+        std::string owed_what;
+        int post_error = 0;
+        std::string post_what;
+    };
+    auto body = [&]() -> task<outcome> {
+        outcome o;
+        // A receive of b nobody sends to: owed until the channel fails.
+        auto owed = lp.b.recv(in.local(32, 32));
+        owed.post();
+        {
+            // The event of the exchange below is read by the read already in flight; the next
+            // read is refused (EIO): the channel fails, its QPs are cut off.
+            fail_ring_reads broken(EIO);
+            auto r = [&]() -> task<ibv_wc> { co_return co_await lp.a.recv(in.local(0, 32)); };
+            auto s = [&]() -> task<ibv_wc> { co_return co_await lp.b.send(out.local(0, 32)); };
+            auto [rwc, swc] = co_await when_all(r(), s());
+            o.delivered = rwc.status == IBV_WC_SUCCESS && swc.status == IBV_WC_SUCCESS;
+            try {
+                (void)co_await owed;
+            } catch (const std::system_error& e) {
+                o.owed_error = e.code().value();
+                o.owed_what = e.what();
+            }
+        }
+        try {
+            (void)co_await lp.a.send(out.local(0, 8));
+        } catch (const std::system_error& e) {
+            o.post_error = e.code().value();
+            o.post_what = e.what();
+        }
+        co_return o;
+    };
+    const outcome o = io.run(body());
+    CHECK(o.delivered);
+    CHECK(lp.ch.error() == EIO);
+    CHECK(o.owed_error == EIO);
+    MESSAGE(o.owed_what);
+    CHECK(o.owed_what.find("the receive (ibv_post_recv) on qp") != std::string::npos);
+    CHECK(o.owed_what.find("a completion channel of its QP's CQs failed") != std::string::npos);
+    CHECK(o.post_error == EIO);
+    MESSAGE(o.post_what);
+    CHECK(o.post_what.find("a completion channel of its CQs failed") != std::string::npos);
+    bool said = false;
+    for (const std::string& line : lines) {
+        MESSAGE(line);
+        said = said || (line.find("a completion channel of its CQs failed") != std::string::npos &&
+                        line.find("owed requests end now") != std::string::npos);
+    }
+    CHECK(said);
+}
+
 TEST_CASE("channel counters mean the same on both event paths: every event counted, acked and "
           "followed by an arm; wakeups at most one per event") {
     for (event_read path : event_paths) {

@@ -52,8 +52,10 @@ class channel {
     // 0 while the channel works; else the errno that ended it (the fd's poll or
     // ibv_get_cq_event or a ring read of the fd failed; ring reads short of memory for 1000
     // tries in a row switch to event_read::syscall instead): no event of its CQs is read any
-    // more, for good, and their next() waits fail with that errno. A qp's requests on those
-    // CQs are not ended by it: they end by their wait_options timeout (or when the device goes).
+    // more, for good, and their next() waits fail with that errno. The qps on those CQs (of
+    // this channel's io_context) are reset: what they owe ends now with std::system_error of
+    // that errno ("a completion channel of its QP's CQs failed"), and later posts are refused
+    // with it. A qp of another io_context on them ends its waits by their own deadlines.
     int error() const noexcept { return state_->error; }
 
   private:

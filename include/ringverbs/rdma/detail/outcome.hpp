@@ -16,6 +16,8 @@ namespace ringverbs::detail {
 //   (device_lost_vendor_err): the request never completed, its buffer is free again;
 // - std::system_error(EIO) when the runtime made it up because the device never flushed it
 //   (never_flushed_vendor_err: the QP was reset by qp_options::flush_timeout's bound);
+// - std::system_error(the channel's errno) when the runtime made it up because a completion
+//   channel of the QP's CQs failed (channel_failed_vendor_err): the QP was reset;
 // - connection_reset when `closed` (the flush of a connection that ended: the qp's
 //   flushed_by_closed_connection);
 // - completion_error otherwise.

@@ -315,6 +315,10 @@ struct qp_state {
     const char* lost = nullptr;
     // detail::device_lost posted this qp's loss to its thread already (registry's lock only).
     bool loss_told = false;
+    // The errno with which a completion channel of its CQs failed (channel_state::fail), or
+    // 0: nothing of this QP's can complete any more. Once set, what was owed ended (made up,
+    // channel_failed_vendor_err) and every post is refused with it (as for `lost`).
+    int channel_failed = 0;
 
     // Whether the failed completion `wc` was flushed because the QP's connection ended
     // (connection_reset): after DISCONNECTED or our rdma_disconnect; on an iWARP connection
@@ -388,7 +392,15 @@ struct qp_state {
     // connected again since. Throws std::system_error (EINVAL, naming `verb` and the qp) when
     // we reset it and it reads RESET: no device completes a post there (rxe refuses it with
     // EINVAL itself; siw, whose QP is really still in ERROR, would queue it for ever).
+    // First refuses the post when the QP's device went away (ENODEV) or a completion channel
+    // of its CQs failed (that errno).
     void posting_while_in_error(const char* verb);
+    // A completion channel of its CQs failed with `err` (channel_state::fail): ends what is
+    // owed (reset(), made up with channel_failed_vendor_err(err)) and refuses later posts.
+    void cut_off(int err) noexcept;
+    // The vendor_err a flush of this QP reads as once it was cut off: device_lost_vendor_err
+    // (lost), channel_failed_vendor_err(channel_failed), or 0 when neither happened.
+    std::uint32_t cut_off_vendor_err() const noexcept;
     // Starts the flush timer when requests are owed and it is not running. Where no timer
     // can run (the io_context is being destroyed) ends them at once (reset()).
     void watch_flush() noexcept;
@@ -412,5 +424,17 @@ inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
 // vendor_err of the completions made up for what was owed when the device went away
 // (detail::device_lost): their awaits end with ENODEV.
 inline constexpr std::uint32_t device_lost_vendor_err = 0x676f'6e65; // "gone"
+// vendor_err of the completions made up for what was owed when a completion channel of the
+// QP's CQs failed (qp_state::cut_off): "ch" and the channel's errno in the low 16 bits; their
+// awaits end with that errno.
+inline constexpr std::uint32_t channel_failed_tag = 0x6368'0000; // "ch"
+inline constexpr std::uint32_t channel_failed_vendor_err(int err) noexcept {
+    return channel_failed_tag | (static_cast<std::uint32_t>(err) & 0xffff);
+}
+// The channel's errno of a made-up channel_failed_vendor_err, or 0.
+inline constexpr int channel_failed_errno(std::uint32_t vendor_err) noexcept {
+    return (vendor_err & 0xffff'0000) == channel_failed_tag ? static_cast<int>(vendor_err & 0xffff)
+                                                            : 0;
+}
 
 } // namespace ringverbs::detail
