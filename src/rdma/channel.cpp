@@ -1,6 +1,7 @@
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/rdma/channel.hpp>
 
+#include <ringverbs/rdma/detail/srq_state.hpp>
 #include <ringverbs/rdma/detail/verbs_hooks.hpp>
 
 #include <fcntl.h>
@@ -247,11 +248,24 @@ void channel_state::fail(int err) noexcept {
     for (cq_state* c : cqs)
         c->fail_waiters(err);
     // Nothing of the QPs on these CQs can be read any more: what they owe ends now, and their
-    // posts are refused (qp_state::cut_off). Those of another io_context sharing a CQ (rare)
-    // are that thread's: not touched from here, their waits end by their own deadlines.
+    // posts are refused; with an srq that one of these CQs serves, every QP on it and what it
+    // owes (qp_state and srq_state's cut off). Every one is marked before any is reset, since
+    // a reset polls CQs that others may share. A QP with a CQ of another io_context (rare) is
+    // not touched from here: its waits end by their own deadlines.
+    const auto ours = [this](const qp_state& q) {
+        return q.ctx == ctx && q.recv_cq->channel->ctx == ctx; // send_cq's: q.ctx
+    };
     for (cq_state* c : cqs)
         for (qp_state* q : c->qps)
-            if (q->ctx == ctx) q->cut_off(err);
+            if (ours(*q)) {
+                q->mark_cut_off(err);
+                if (q->srq) q->srq->mark_cut_off(err); // its qps, all of this loop
+            }
+    for (cq_state* c : cqs)
+        for (qp_state* q : c->qps) {
+            if (q->srq) q->srq->finish_cut_off();
+            q->finish_cut_off();
+        }
 }
 
 void channel_state::fall_back(int err, bool transient) noexcept {

@@ -56,6 +56,15 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
     if (srq && (srq->ctx != ctx || srq->ctx != recv_cq->channel->ctx))
         throw_system_error(EINVAL, "qp: the srq (qp_options::shared_receive_queue) belongs to "
                                    "another io_context than the qp's CQs");
+    // Nothing of a QP on a failed channel's CQ could be read (channel_state::fail).
+    for (const cq_state* c : {send_cq.get(), recv_cq.get()})
+        if (const int err = c->channel->error; err != 0)
+            throw_system_error(err, "qp: a completion channel of its CQs failed, so nothing of "
+                                    "the QP's could complete (channel::error())");
+    if (srq && srq->channel_failed != 0)
+        throw_system_error(srq->channel_failed,
+                           "qp: a completion channel of its srq's receive CQs failed, so no "
+                           "receive of the srq could complete (channel::error())");
     if (srq) srq->attach(recv_cq); // may throw
     sink.owner = this;
     sink.on_wc = &qp_state::sink_completed;
@@ -294,16 +303,24 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     }
 }
 
-void qp_state::cut_off(int err) noexcept {
-    if (lost || channel_failed != 0) return;
+bool qp_state::mark_cut_off(int err) noexcept {
+    if (lost || channel_failed != 0) return false;
     channel_failed = err;
+    cut_off_owed = true;
+    return true;
+}
+
+void qp_state::finish_cut_off() noexcept {
+    if (!cut_off_owed) return;
+    cut_off_owed = false;
     if (pending_count > 0)
         diagnose("qp %u: a completion channel of its CQs failed (%s): its %zu owed requests end "
                  "now",
-                 qp.qp_num(), std::system_category().message(err).c_str(), pending_count);
+                 qp.qp_num(), std::system_category().message(channel_failed).c_str(),
+                 pending_count);
     // Nothing of this QP's could be read any more: RESET, so that nothing it holds completes
     // after the made-up ends (the device's flushes polled first, read as the same failure).
-    reset(channel_failed_vendor_err(err));
+    reset(channel_failed_vendor_err(channel_failed));
     in_error = true; // posts take the slow path, which refuses them
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <string>
+#include <system_error>
 
 namespace ringverbs {
 
@@ -47,6 +48,15 @@ srq_state::~srq_state() {
     end_owed(0);
     while (waiter* w = low_water_waiters.pop_front())
         w->fulfil(ECANCELED);
+}
+
+void srq_state::refuse_post() const {
+    if (lost)
+        throw_system_error(ENODEV, std::string("ibv_post_srq_recv: the RDMA device is gone (") +
+                                       lost + ")");
+    throw_system_error(channel_failed,
+                       "ibv_post_srq_recv: a completion channel of the srq's receive CQs "
+                       "failed, so no receive could complete any more (channel::error())");
 }
 
 void srq_state::end_owed(std::uint32_t vendor_err) noexcept {
@@ -138,6 +148,37 @@ void srq_state::failed() noexcept {
         w->fulfil(EIO);
 }
 
+bool srq_state::mark_cut_off(int err) noexcept {
+    if (lost || channel_failed != 0) return false;
+    channel_failed = err;
+    error = err;
+    cut_off_owed = true;
+    // Every QP on the SRQ (all of this loop: see qp_state's constructor), whichever CQ it uses.
+    for (auto& c : recv_cqs)
+        for (qp_state* q : c->qps)
+            if (q->srq.get() == this) q->mark_cut_off(err);
+    return true;
+}
+
+void srq_state::finish_cut_off() noexcept {
+    if (!cut_off_owed) return;
+    cut_off_owed = false;
+    while (waiter* w = low_water_waiters.pop_front())
+        w->fulfil(channel_failed);
+    if (pending_count > 0)
+        diagnose("srq: a completion channel of its receive CQs failed (%s): its %zu owed "
+                 "receives end now",
+                 std::system_category().message(channel_failed).c_str(), pending_count);
+    // Its QPs first (reset: none takes a receive after this), then what their receive CQs
+    // still hold, then the receives owed end made up: each exactly once.
+    for (auto& c : recv_cqs) {
+        for (qp_state* q : c->qps)
+            if (q->srq.get() == this) q->finish_cut_off();
+        c->channel->drain_cq(*c);
+    }
+    end_owed(channel_failed_vendor_err(channel_failed));
+}
+
 } // namespace detail
 
 srq::srq(io_context& ctx, const verbs::protection_domain& pd, srq_options o)
@@ -163,9 +204,8 @@ void srq::post_recv(local_buffer into, std::uint64_t wr_id) {
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    if (state_->lost) [[unlikely]]
-        throw_system_error(ENODEV, std::string("ibv_post_srq_recv: the RDMA device is gone (") +
-                                       state_->lost + ")");
+    if (state_->lost || state_->channel_failed != 0) [[unlikely]]
+        state_->refuse_post();
     ibv_recv_wr* bad = nullptr;
     if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv");
@@ -186,9 +226,8 @@ srq::request::request(detail::srq_state* state, local_buffer into) noexcept
 }
 
 void srq::request::await_suspend(std::coroutine_handle<> h) {
-    if (state_->lost) [[unlikely]]
-        throw_system_error(ENODEV, std::string("ibv_post_srq_recv: the RDMA device is gone (") +
-                                       state_->lost + ")");
+    if (state_->lost || state_->channel_failed != 0) [[unlikely]]
+        state_->refuse_post();
     ibv_recv_wr* bad = nullptr;
     if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr_, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv"); // nothing posted
@@ -200,6 +239,9 @@ void srq::request::await_suspend(std::coroutine_handle<> h) {
 void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     auto* self = static_cast<request*>(op);
     self->result_ = wc;
+    // Flushed because the srq was cut off (its QP reset): reads as the channel's failure.
+    if (wc.status == IBV_WC_WR_FLUSH_ERR && self->state_->channel_failed != 0)
+        self->result_.vendor_err = detail::channel_failed_vendor_err(self->state_->channel_failed);
     self->state_->unlink(self);
     self->state_->consumed();
     self->decide(0);

@@ -4,6 +4,8 @@
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
+#include <ringverbs/rdma/recv_ring.hpp>
+#include <ringverbs/rdma/srq.hpp>
 
 #include <doctest/doctest.h>
 
@@ -599,11 +601,11 @@ TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event,
     CHECK(said);
 }
 
-TEST_CASE("a failed channel ends what the QPs on its CQs owe with its errno, once, and "
-          "refuses their posts") {
+TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with its errno, "
+          "each once, and refuses their posts and new QPs") {
     device dev;
     io_context io;
-    region out(dev.pd, 64), in(dev.pd, 64);
+    region out(dev.pd, 64), in(dev.pd, 256);
     std::vector<std::string> lines;
     static std::vector<std::string>* seen = nullptr;
     seen = &lines;
@@ -616,59 +618,127 @@ TEST_CASE("a failed channel ends what the QPs on its CQs owe with its errno, onc
     const watchdog guard(60s, "a failed channel's owed requests");
     loopback lp(dev, io);
     REQUIRE(lp.ch.event_path() == event_read::ring);
-    CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, 1))); // reads worked: a failure is fatal
-    struct outcome {
-        bool delivered = false; // the exchange that brought the failing read completed
-        int owed_error = 0;
-        std::string owed_what;
-        int post_error = 0;
-        std::string post_what;
+    // A receive ring on a, and an srq whose (unconnected) qp receives on cq_a.
+    recv_ring ring(lp.a, dev.pd, 4, 64);
+    srq shared(io, dev.pd);
+    qp on_srq(dev.pd, lp.cq_a, lp.cq_a, {}, qp_options{.shared_receive_queue = &shared});
+    // An RDMA WRITE completes on cq_a only: its event is read through the ring, so reads
+    // worked and a failure from here on is fatal.
+    CHECK(io.run([&]() -> task<bool> {
+        const ibv_wc wc = co_await lp.a.write(out.local(0, 8), in.remote(0));
+        co_return wc.status == IBV_WC_SUCCESS;
+    }()));
+    struct ended {
+        int resumed = 0; // how many times the await came back (once)
+        int error = 0;
+        std::string what;
     };
-    auto body = [&]() -> task<outcome> {
-        outcome o;
-        // A receive of b nobody sends to: owed until the channel fails.
-        auto owed = lp.b.recv(in.local(32, 32));
-        owed.post();
-        {
-            // The event of the exchange below is read by the read already in flight; the next
-            // read is refused (EIO): the channel fails, its QPs are cut off.
-            fail_ring_reads broken(EIO);
-            auto r = [&]() -> task<ibv_wc> { co_return co_await lp.a.recv(in.local(0, 32)); };
-            auto s = [&]() -> task<ibv_wc> { co_return co_await lp.b.send(out.local(0, 32)); };
-            auto [rwc, swc] = co_await when_all(r(), s());
-            o.delivered = rwc.status == IBV_WC_SUCCESS && swc.status == IBV_WC_SUCCESS;
-            try {
-                (void)co_await owed;
-            } catch (const std::system_error& e) {
-                o.owed_error = e.code().value();
-                o.owed_what = e.what();
-            }
+    ended owed_recv, ring_next, srq_recv, trigger;
+    const auto record = [](ended& e, const std::system_error& x) {
+        e.error = x.code().value();
+        e.what = x.what();
+    };
+    // Each suspended when the channel fails; none is ever sent to.
+    auto on_b = [&]() -> task<void> {
+        try {
+            (void)co_await lp.b.recv(in.local(32, 32));
+        } catch (const std::system_error& e) {
+            record(owed_recv, e);
         }
+        ++owed_recv.resumed;
+    };
+    auto on_ring = [&]() -> task<void> {
+        try {
+            (void)co_await ring.next();
+        } catch (const std::system_error& e) {
+            record(ring_next, e);
+        }
+        ++ring_next.resumed;
+    };
+    auto on_srq_recv = [&]() -> task<void> {
+        try {
+            (void)co_await shared.recv(in.local(64, 64));
+        } catch (const std::system_error& e) {
+            record(srq_recv, e);
+        }
+        ++srq_recv.resumed;
+    };
+    // Once they wait: WRITEs (each completes on cq_a only), until the channel fails. Their
+    // events are taken by the reads already in flight (one or more); the first read queued
+    // after that is refused (EIO), which fails the channel.
+    int delivered = 0;
+    auto fail_it = [&]() -> task<void> {
+        co_await io.schedule();
+        try {
+            for (int i = 0; i < 64 && lp.ch.error() == 0; ++i) {
+                const ibv_wc wc = co_await lp.a.write(out.local(0, 8), in.remote(8));
+                if (wc.status == IBV_WC_SUCCESS) ++delivered;
+            }
+            // The channel failed while no WRITE was posted: the next post is refused.
+            (void)co_await lp.a.write(out.local(0, 8), in.remote(8));
+        } catch (const std::system_error& e) {
+            record(trigger, e);
+        }
+        ++trigger.resumed;
+    };
+    {
+        fail_ring_reads broken(EIO);
+        io.run(when_all(on_b(), on_ring(), on_srq_recv(), fail_it()));
+    }
+    CHECK(lp.ch.error() == EIO);
+    CHECK(trigger.resumed == 1);
+    CHECK(delivered >= 1); // WRITEs whose events were read before the failure
+    CHECK(trigger.error == EIO);
+    for (const ended* e : {&owed_recv, &ring_next, &srq_recv}) {
+        MESSAGE(e->what);
+        CHECK(e->resumed == 1);
+        CHECK(e->error == EIO);
+        CHECK(e->what.find("a completion channel of") != std::string::npos);
+    }
+    CHECK(owed_recv.what.find("the receive (ibv_post_recv) on qp") != std::string::npos);
+    CHECK(srq_recv.what.find("the shared receive (ibv_post_srq_recv)") != std::string::npos);
+    // Nothing more arrives for them (the QPs were reset): the loop runs on a while.
+    io.run([&]() -> task<void> { co_await sleep_for(io, 50ms); }());
+    CHECK(owed_recv.resumed + ring_next.resumed + srq_recv.resumed == 3);
+    // Later posts, a new QP on the failed CQs or on the srq: refused with the errno.
+    const auto refused_eio = [](auto&& f, const char* what) {
+        try {
+            f();
+            FAIL_CHECK(what << ": not refused");
+        } catch (const std::system_error& e) {
+            MESSAGE(std::string(e.what()));
+            CHECK(e.code().value() == EIO);
+            CHECK(std::string(e.what()).find("a completion channel of") != std::string::npos);
+        }
+    };
+    ended later_send;
+    io.run([&]() -> task<void> {
         try {
             (void)co_await lp.a.send(out.local(0, 8));
         } catch (const std::system_error& e) {
-            o.post_error = e.code().value();
-            o.post_what = e.what();
+            record(later_send, e);
         }
-        co_return o;
-    };
-    const outcome o = io.run(body());
-    CHECK(o.delivered);
-    CHECK(lp.ch.error() == EIO);
-    CHECK(o.owed_error == EIO);
-    MESSAGE(o.owed_what);
-    CHECK(o.owed_what.find("the receive (ibv_post_recv) on qp") != std::string::npos);
-    CHECK(o.owed_what.find("a completion channel of its QP's CQs failed") != std::string::npos);
-    CHECK(o.post_error == EIO);
-    MESSAGE(o.post_what);
-    CHECK(o.post_what.find("a completion channel of its CQs failed") != std::string::npos);
-    bool said = false;
+    }());
+    CHECK(later_send.error == EIO);
+    CHECK(later_send.what.find("a completion channel of its CQs failed") != std::string::npos);
+    refused_eio([&] { shared.post_recv(in.local(128, 64), 7); }, "a post to the srq");
+    refused_eio([&] { qp q(dev.pd, lp.cq_b, lp.cq_b, {}); }, "a qp on a failed channel's CQ");
+    channel elsewhere(io, dev.ctx);
+    cq elsewhere_cq(elsewhere);
+    refused_eio(
+        [&] {
+            qp q(dev.pd, elsewhere_cq, elsewhere_cq, {},
+                 qp_options{.shared_receive_queue = &shared});
+        },
+        "a qp on the cut-off srq");
+    int said_qp = 0, said_srq = 0;
     for (const std::string& line : lines) {
         MESSAGE(line);
-        said = said || (line.find("a completion channel of its CQs failed") != std::string::npos &&
-                        line.find("owed requests end now") != std::string::npos);
+        if (line.find("owed requests end now") != std::string::npos) ++said_qp;
+        if (line.find("owed receives end now") != std::string::npos) ++said_srq;
     }
-    CHECK(said);
+    CHECK(said_qp == 2); // a (the ring's slots) and b (the receive); on_srq owes nothing
+    CHECK(said_srq == 1);
 }
 
 TEST_CASE("channel counters mean the same on both event paths: every event counted, acked and "

@@ -55,7 +55,9 @@ class channel {
     // more, for good, and their next() waits fail with that errno. The qps on those CQs (of
     // this channel's io_context) are reset: what they owe ends now with std::system_error of
     // that errno ("a completion channel of its QP's CQs failed"), and later posts are refused
-    // with it. A qp of another io_context on them ends its waits by their own deadlines.
+    // with it. So is an srq one of those CQs receives for, with every qp on it, and a new qp
+    // on those CQs or that srq is refused. A qp with a CQ of another io_context ends its waits
+    // by their own deadlines.
     int error() const noexcept { return state_->error; }
 
   private:

@@ -319,6 +319,9 @@ struct qp_state {
     // 0: nothing of this QP's can complete any more. Once set, what was owed ended (made up,
     // channel_failed_vendor_err) and every post is refused with it (as for `lost`).
     int channel_failed = 0;
+    // Marked by channel_state::fail's first pass (channel_failed set), not reset yet: its
+    // second pass ends what is owed (finish_cut_off).
+    bool cut_off_owed = false;
 
     // Whether the failed completion `wc` was flushed because the QP's connection ended
     // (connection_reset): after DISCONNECTED or our rdma_disconnect; on an iWARP connection
@@ -395,9 +398,13 @@ struct qp_state {
     // First refuses the post when the QP's device went away (ENODEV) or a completion channel
     // of its CQs failed (that errno).
     void posting_while_in_error(const char* verb);
-    // A completion channel of its CQs failed with `err` (channel_state::fail): ends what is
-    // owed (reset(), made up with channel_failed_vendor_err(err)) and refuses later posts.
-    void cut_off(int err) noexcept;
+    // A completion channel of its CQs failed with `err` (channel_state::fail), in two steps so
+    // that every QP on the failed CQs reads as cut off before any of them drains a shared CQ:
+    // mark_cut_off sets channel_failed (false when lost or marked already), finish_cut_off
+    // ends what is owed (reset(), made up with channel_failed_vendor_err) and makes later
+    // posts refused.
+    bool mark_cut_off(int err) noexcept;
+    void finish_cut_off() noexcept;
     // The vendor_err a flush of this QP reads as once it was cut off: device_lost_vendor_err
     // (lost), channel_failed_vendor_err(channel_failed), or 0 when neither happened.
     std::uint32_t cut_off_vendor_err() const noexcept;
@@ -425,8 +432,8 @@ inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
 // (detail::device_lost): their awaits end with ENODEV.
 inline constexpr std::uint32_t device_lost_vendor_err = 0x676f'6e65; // "gone"
 // vendor_err of the completions made up for what was owed when a completion channel of the
-// QP's CQs failed (qp_state::cut_off): "ch" and the channel's errno in the low 16 bits; their
-// awaits end with that errno.
+// QP's CQs failed (qp_state::finish_cut_off): "ch" and the channel's errno in the low 16 bits;
+// their awaits end with that errno.
 inline constexpr std::uint32_t channel_failed_tag = 0x6368'0000; // "ch"
 inline constexpr std::uint32_t channel_failed_vendor_err(int err) noexcept {
     return channel_failed_tag | (static_cast<std::uint32_t>(err) & 0xffff);

@@ -56,6 +56,12 @@ struct srq_state {
     const char* lost = nullptr;
     // detail::device_lost posted this srq's loss to its thread already (registry's lock only).
     bool loss_told = false;
+    // The errno with which a completion channel of one of its receive CQs failed, or 0. A
+    // receive the device holds may be taken by any QP on the SRQ, and what a QP on that CQ
+    // takes could never be read: so every QP on the SRQ is cut off (qp_state::mark_cut_off),
+    // what was owed ends (made up, channel_failed_vendor_err), posts and new QPs are refused.
+    int channel_failed = 0;
+    bool cut_off_owed = false; // marked by channel_state::fail, finish_cut_off not run yet
 
     srq_state(io_context& c, const verbs::protection_domain& pd, std::uint32_t max_wr,
               std::uint32_t max_sge);
@@ -66,6 +72,8 @@ struct srq_state {
     // Ends every receive still owed with a made-up IBV_WC_WR_FLUSH_ERR carrying `vendor_err`
     // (0, or device_lost_vendor_err). Only once nothing can complete them any more.
     void end_owed(std::uint32_t vendor_err) noexcept;
+    // Throws std::system_error for a post once lost (ENODEV) or cut off (channel_failed).
+    [[noreturn]] void refuse_post() const;
     void link(wr_op* op) noexcept;
     void unlink(wr_op* op) noexcept;
     // The completion of a receive of this SRQ was polled: one fewer posted, which resumes the
@@ -82,6 +90,11 @@ struct srq_state {
     // for the largest n still waiting.
     void limit_reached() noexcept;
     void failed() noexcept;
+    // A completion channel of one of its receive CQs failed (channel_state::fail): marks the
+    // SRQ and every QP on it (false when lost or marked already); finish_cut_off then ends
+    // those QPs' requests, polls the receive CQs and ends the receives still owed.
+    bool mark_cut_off(int err) noexcept;
+    void finish_cut_off() noexcept;
 };
 
 } // namespace ringverbs::detail
