@@ -259,13 +259,16 @@ void channel_state::fail(int err) noexcept {
         for (qp_state* q : c->qps)
             if (ours(*q)) {
                 q->mark_cut_off(err);
-                if (q->srq) q->srq->mark_cut_off(err); // its qps, all of this loop
+                // Its receives complete on a CQ of this channel: the srq's qps, all of this
+                // loop, whichever CQs they use.
+                if (q->srq && q->recv_cq->channel.get() == this) q->srq->mark_cut_off(err);
             }
     for (cq_state* c : cqs)
-        for (qp_state* q : c->qps) {
-            if (q->srq) q->srq->finish_cut_off();
-            q->finish_cut_off();
-        }
+        for (qp_state* q : c->qps)
+            if (ours(*q)) {
+                if (q->srq) q->srq->finish_cut_off();
+                q->finish_cut_off();
+            }
 }
 
 void channel_state::fall_back(int err, bool transient) noexcept {

@@ -88,10 +88,13 @@ void throw_failed_completion(const ibv_wc& wc, const std::string& what, bool clo
                                        "owed, and was reset; its buffer is free again");
     if (wc.status == IBV_WC_WR_FLUSH_ERR)
         if (const int err = channel_failed_errno(wc.vendor_err); err != 0)
-            throw_system_error(err, what + ": a completion channel of its QP's CQs failed (see "
-                                           "channel::error()), so its completion could never be "
-                                           "read: the QP was reset, the request never completed; "
-                                           "its buffer is free again");
+            throw_system_error(
+                err, what +
+                         ((wc.vendor_err & 0xffff'0000) == srq_channel_failed_tag
+                              ? ": a completion channel of the srq's receive CQs failed"
+                              : ": a completion channel of its QP's CQs failed") +
+                         " (see channel::error()), so its completion could never be read: the "
+                         "QP was reset, the request never completed; its buffer is free again");
     if (closed) throw connection_reset(wc, what.c_str());
     throw completion_error(wc, what.c_str());
 }

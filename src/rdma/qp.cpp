@@ -191,9 +191,9 @@ void qp_state::posting_while_in_error(const char* verb) {
                                        "): nothing can be posted any more");
     if (channel_failed != 0)
         throw_system_error(channel_failed,
-                           std::string(verb) + ": qp " + std::to_string(qp.qp_num()) +
-                               ": a completion channel of its CQs failed, so nothing posted "
-                               "could complete any more (channel::error())");
+                           std::string(verb) + ": qp " + std::to_string(qp.qp_num()) + ": " +
+                               cut_off_cause() +
+                               ", so nothing posted could complete any more (channel::error())");
     // The user may have reset and connected the QP again since (through native_qp(), which
     // we do not see): ask the device. Only on this path, never on a healthy QP's posts. RESET
     // does not count as out of error: a device that never reports the state says RESET (siw:
@@ -303,30 +303,33 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     }
 }
 
-bool qp_state::mark_cut_off(int err) noexcept {
-    if (lost || channel_failed != 0) return false;
+void qp_state::mark_cut_off(int err, bool by_srq) noexcept {
+    if (lost || channel_failed != 0) return;
     channel_failed = err;
+    cut_off_by_srq = by_srq;
     cut_off_owed = true;
-    return true;
+}
+
+const char* qp_state::cut_off_cause() const noexcept {
+    return cut_off_by_srq ? "a completion channel of its srq's receive CQs failed"
+                          : "a completion channel of its CQs failed";
 }
 
 void qp_state::finish_cut_off() noexcept {
     if (!cut_off_owed) return;
     cut_off_owed = false;
     if (pending_count > 0)
-        diagnose("qp %u: a completion channel of its CQs failed (%s): its %zu owed requests end "
-                 "now",
-                 qp.qp_num(), std::system_category().message(channel_failed).c_str(),
-                 pending_count);
+        diagnose("qp %u: %s (%s): its %zu owed requests end now", qp.qp_num(), cut_off_cause(),
+                 std::system_category().message(channel_failed).c_str(), pending_count);
     // Nothing of this QP's could be read any more: RESET, so that nothing it holds completes
     // after the made-up ends (the device's flushes polled first, read as the same failure).
-    reset(channel_failed_vendor_err(channel_failed));
+    reset(channel_failed_vendor_err(channel_failed, cut_off_by_srq));
     in_error = true; // posts take the slow path, which refuses them
 }
 
 std::uint32_t qp_state::cut_off_vendor_err() const noexcept {
     if (lost) return device_lost_vendor_err;
-    if (channel_failed != 0) return channel_failed_vendor_err(channel_failed);
+    if (channel_failed != 0) return channel_failed_vendor_err(channel_failed, cut_off_by_srq);
     return 0;
 }
 

@@ -148,16 +148,15 @@ void srq_state::failed() noexcept {
         w->fulfil(EIO);
 }
 
-bool srq_state::mark_cut_off(int err) noexcept {
-    if (lost || channel_failed != 0) return false;
+void srq_state::mark_cut_off(int err) noexcept {
+    if (lost || channel_failed != 0) return;
     channel_failed = err;
     error = err;
     cut_off_owed = true;
     // Every QP on the SRQ (all of this loop: see qp_state's constructor), whichever CQ it uses.
     for (auto& c : recv_cqs)
         for (qp_state* q : c->qps)
-            if (q->srq.get() == this) q->mark_cut_off(err);
-    return true;
+            if (q->srq.get() == this) q->mark_cut_off(err, q->recv_cq->channel->error == 0);
 }
 
 void srq_state::finish_cut_off() noexcept {
@@ -176,7 +175,7 @@ void srq_state::finish_cut_off() noexcept {
             if (q->srq.get() == this) q->finish_cut_off();
         c->channel->drain_cq(*c);
     }
-    end_owed(channel_failed_vendor_err(channel_failed));
+    end_owed(channel_failed_vendor_err(channel_failed, true));
 }
 
 } // namespace detail
@@ -239,9 +238,15 @@ void srq::request::await_suspend(std::coroutine_handle<> h) {
 void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
     auto* self = static_cast<request*>(op);
     self->result_ = wc;
-    // Flushed because the srq was cut off (its QP reset): reads as the channel's failure.
-    if (wc.status == IBV_WC_WR_FLUSH_ERR && self->state_->channel_failed != 0)
-        self->result_.vendor_err = detail::channel_failed_vendor_err(self->state_->channel_failed);
+    // Flushed because the device went away or the srq was cut off (its QP reset): reads as
+    // that.
+    if (wc.status == IBV_WC_WR_FLUSH_ERR) {
+        if (self->state_->lost)
+            self->result_.vendor_err = detail::device_lost_vendor_err;
+        else if (self->state_->channel_failed != 0)
+            self->result_.vendor_err =
+                detail::channel_failed_vendor_err(self->state_->channel_failed, true);
+    }
     self->state_->unlink(self);
     self->state_->consumed();
     self->decide(0);

@@ -618,10 +618,18 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
     const watchdog guard(60s, "a failed channel's owed requests");
     loopback lp(dev, io);
     REQUIRE(lp.ch.event_path() == event_read::ring);
-    // A receive ring on a, and an srq whose (unconnected) qp receives on cq_a.
+    // A receive ring on a; an srq with one (unconnected) qp receiving on cq_a and one on a CQ
+    // of another channel, which the failure spares; a second srq whose qp only sends on the
+    // failing channel (its receives complete elsewhere: not cut off).
     recv_ring ring(lp.a, dev.pd, 4, 64);
+    channel elsewhere(io, dev.ctx);
+    cq elsewhere_cq(elsewhere);
     srq shared(io, dev.pd);
     qp on_srq(dev.pd, lp.cq_a, lp.cq_a, {}, qp_options{.shared_receive_queue = &shared});
+    qp on_srq_elsewhere(dev.pd, elsewhere_cq, elsewhere_cq, {},
+                        qp_options{.shared_receive_queue = &shared});
+    srq spared(io, dev.pd);
+    qp sends_here(dev.pd, lp.cq_b, elsewhere_cq, {}, qp_options{.shared_receive_queue = &spared});
     // An RDMA WRITE completes on cq_a only: its event is read through the ring, so reads
     // worked and a failure from here on is fatal.
     CHECK(io.run([&]() -> task<bool> {
@@ -633,7 +641,7 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
         int error = 0;
         std::string what;
     };
-    ended owed_recv, ring_next, srq_recv, trigger;
+    ended owed_recv, ring_next, srq_recv, low_water, trigger;
     const auto record = [](ended& e, const std::system_error& x) {
         e.error = x.code().value();
         e.what = x.what();
@@ -663,6 +671,14 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
         }
         ++srq_recv.resumed;
     };
+    auto on_low_water = [&]() -> task<void> {
+        try {
+            co_await shared.low_water(1); // one receive posted (on_srq_recv's): waits
+        } catch (const std::system_error& e) {
+            record(low_water, e);
+        }
+        ++low_water.resumed;
+    };
     // Once they wait: WRITEs (each completes on cq_a only), until the channel fails. Their
     // events are taken by the reads already in flight (one or more); the first read queued
     // after that is refused (EIO), which fails the channel.
@@ -683,23 +699,25 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
     };
     {
         fail_ring_reads broken(EIO);
-        io.run(when_all(on_b(), on_ring(), on_srq_recv(), fail_it()));
+        io.run(when_all(on_b(), on_ring(), on_srq_recv(), on_low_water(), fail_it()));
     }
     CHECK(lp.ch.error() == EIO);
     CHECK(trigger.resumed == 1);
     CHECK(delivered >= 1); // WRITEs whose events were read before the failure
     CHECK(trigger.error == EIO);
-    for (const ended* e : {&owed_recv, &ring_next, &srq_recv}) {
+    for (const ended* e : {&owed_recv, &ring_next, &srq_recv, &low_water}) {
         MESSAGE(e->what);
         CHECK(e->resumed == 1);
         CHECK(e->error == EIO);
-        CHECK(e->what.find("a completion channel of") != std::string::npos);
     }
+    for (const ended* e : {&owed_recv, &ring_next, &srq_recv})
+        CHECK(e->what.find("a completion channel of") != std::string::npos);
+    CHECK(low_water.what.find("srq::low_water") != std::string::npos);
     CHECK(owed_recv.what.find("the receive (ibv_post_recv) on qp") != std::string::npos);
     CHECK(srq_recv.what.find("the shared receive (ibv_post_srq_recv)") != std::string::npos);
-    // Nothing more arrives for them (the QPs were reset): the loop runs on a while.
+    // Nothing more arrives for them (the QPs were reset): the loop runs on a while. A late
+    // completion would reach a request whose frame is gone: the ASan run of this suite sees it.
     io.run([&]() -> task<void> { co_await sleep_for(io, 50ms); }());
-    CHECK(owed_recv.resumed + ring_next.resumed + srq_recv.resumed == 3);
     // Later posts, a new QP on the failed CQs or on the srq: refused with the errno.
     const auto refused_eio = [](auto&& f, const char* what) {
         try {
@@ -721,10 +739,24 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
     }());
     CHECK(later_send.error == EIO);
     CHECK(later_send.what.find("a completion channel of its CQs failed") != std::string::npos);
+    // The srq's qp on a healthy channel: cut off with it, and told why.
+    ended elsewhere_send;
+    io.run([&]() -> task<void> {
+        try {
+            (void)co_await on_srq_elsewhere.send(out.local(0, 8));
+        } catch (const std::system_error& e) {
+            record(elsewhere_send, e);
+        }
+    }());
+    MESSAGE(elsewhere_send.what);
+    CHECK(elsewhere_send.error == EIO);
+    CHECK(elsewhere_send.what.find("its srq's receive CQs failed") != std::string::npos);
+    CHECK(on_srq_elsewhere.in_error());
+    // The srq whose qp only sends on the failed channel goes on.
+    CHECK(elsewhere.error() == 0);
+    CHECK_NOTHROW(spared.post_recv(in.local(192, 64), 8));
     refused_eio([&] { shared.post_recv(in.local(128, 64), 7); }, "a post to the srq");
     refused_eio([&] { qp q(dev.pd, lp.cq_b, lp.cq_b, {}); }, "a qp on a failed channel's CQ");
-    channel elsewhere(io, dev.ctx);
-    cq elsewhere_cq(elsewhere);
     refused_eio(
         [&] {
             qp q(dev.pd, elsewhere_cq, elsewhere_cq, {},

@@ -40,7 +40,11 @@ struct srq_options {
 // Lifetime: the handles may go in any order; the SRQ lives while a qp receives from it. A
 // posted receive cannot be recalled (a stop or timeout has nothing to cancel, so recv takes
 // none): it ends by its completion, by its QP's flush once a QP took it and failed, or, when
-// the srq handle and every qp on it are gone, with a made-up IBV_WC_WR_FLUSH_ERR. The
+// the srq handle and every qp on it are gone, with a made-up IBV_WC_WR_FLUSH_ERR. When the
+// device goes (ENODEV) or a completion channel of one of its qps' receive CQs fails (that
+// errno, see channel::error()), every qp on it is reset, what is owed ends at once with that
+// error, and later posts and new qps on it are refused. The receives the device still holds
+// stay posted in the SRQ: a qp brought back to RTR through native_qp() could take them. The
 // low_water() waits end with the handle (ECANCELED), whether or not the SRQ lives on. Destroy
 // before the io_context, on its thread.
 class srq {
@@ -76,7 +80,8 @@ class srq {
     // posted (and a limit of 0 disarms the SRQ), so low_water(0) throws EINVAL at once rather
     // than wait for ever. Throws std::system_error "srq::low_water" with EINVAL (n == 0),
     // timed_out / operation_canceled per `w`, ECANCELED when this srq handle goes (even while
-    // qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR, or naming ibv_modify_srq.
+    // qps still receive from the SRQ), EIO after IBV_EVENT_SRQ_ERR, ENODEV or a failed
+    // channel's errno (see the lifetime above), or naming ibv_modify_srq.
     low_water_awaitable low_water(std::uint32_t n, wait_options w = {}) noexcept;
 
     ibv_srq* native() const noexcept { return state_->srq.get(); }

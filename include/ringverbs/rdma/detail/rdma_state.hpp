@@ -315,10 +315,14 @@ struct qp_state {
     const char* lost = nullptr;
     // detail::device_lost posted this qp's loss to its thread already (registry's lock only).
     bool loss_told = false;
-    // The errno with which a completion channel of its CQs failed (channel_state::fail), or
-    // 0: nothing of this QP's can complete any more. Once set, what was owed ended (made up,
-    // channel_failed_vendor_err) and every post is refused with it (as for `lost`).
+    // The errno with which a completion channel of its CQs, or of its srq's receive CQs,
+    // failed (channel_state::fail; cut_off_by_srq says which), or 0: nothing of this QP's can
+    // complete any more. Once set, what was owed ended (made up, channel_failed_vendor_err)
+    // and every post is refused with it (as for `lost`).
     int channel_failed = 0;
+    // channel_failed came from a receive CQ of its srq (srq_state::mark_cut_off), not from a
+    // CQ of its own: messages say so.
+    bool cut_off_by_srq = false;
     // Marked by channel_state::fail's first pass (channel_failed set), not reset yet: its
     // second pass ends what is owed (finish_cut_off).
     bool cut_off_owed = false;
@@ -398,15 +402,19 @@ struct qp_state {
     // First refuses the post when the QP's device went away (ENODEV) or a completion channel
     // of its CQs failed (that errno).
     void posting_while_in_error(const char* verb);
-    // A completion channel of its CQs failed with `err` (channel_state::fail), in two steps so
-    // that every QP on the failed CQs reads as cut off before any of them drains a shared CQ:
-    // mark_cut_off sets channel_failed (false when lost or marked already), finish_cut_off
-    // ends what is owed (reset(), made up with channel_failed_vendor_err) and makes later
-    // posts refused.
-    bool mark_cut_off(int err) noexcept;
+    // A completion channel of its CQs (or, `by_srq`, of its srq's receive CQs) failed with
+    // `err` (channel_state::fail), in two steps so that every QP on the failed CQs reads as
+    // cut off before any of them drains a shared CQ: mark_cut_off sets channel_failed (not
+    // when lost or marked already), finish_cut_off ends what is owed (reset(), made up with
+    // channel_failed_vendor_err) and makes later posts refused.
+    void mark_cut_off(int err, bool by_srq = false) noexcept;
     void finish_cut_off() noexcept;
+    // What cut it off, for messages: "a completion channel of its CQs failed" or "... of its
+    // srq's receive CQs failed".
+    const char* cut_off_cause() const noexcept;
     // The vendor_err a flush of this QP reads as once it was cut off: device_lost_vendor_err
-    // (lost), channel_failed_vendor_err(channel_failed), or 0 when neither happened.
+    // (lost), channel_failed_vendor_err(channel_failed, cut_off_by_srq), or 0 when neither
+    // happened.
     std::uint32_t cut_off_vendor_err() const noexcept;
     // Starts the flush timer when requests are owed and it is not running. Where no timer
     // can run (the io_context is being destroyed) ends them at once (reset()).
@@ -431,17 +439,22 @@ inline constexpr std::uint32_t never_flushed_vendor_err = 0x7269'6e67; // "ring"
 // vendor_err of the completions made up for what was owed when the device went away
 // (detail::device_lost): their awaits end with ENODEV.
 inline constexpr std::uint32_t device_lost_vendor_err = 0x676f'6e65; // "gone"
-// vendor_err of the completions made up for what was owed when a completion channel of the
-// QP's CQs failed (qp_state::finish_cut_off): "ch" and the channel's errno in the low 16 bits;
-// their awaits end with that errno.
-inline constexpr std::uint32_t channel_failed_tag = 0x6368'0000; // "ch"
-inline constexpr std::uint32_t channel_failed_vendor_err(int err) noexcept {
-    return channel_failed_tag | (static_cast<std::uint32_t>(err) & 0xffff);
+// vendor_err of the completions made up for what was owed when a completion channel failed
+// (qp_state::finish_cut_off, srq_state::finish_cut_off): "ch" (one of the QP's own CQs) or
+// "cs" (a receive CQ of its srq), and the channel's errno in the low 16 bits; their awaits end
+// with that errno.
+inline constexpr std::uint32_t channel_failed_tag = 0x6368'0000;     // "ch"
+inline constexpr std::uint32_t srq_channel_failed_tag = 0x6373'0000; // "cs"
+inline constexpr std::uint32_t channel_failed_vendor_err(int err, bool via_srq = false) noexcept {
+    return (via_srq ? srq_channel_failed_tag : channel_failed_tag) |
+           (static_cast<std::uint32_t>(err) & 0xffff);
 }
 // The channel's errno of a made-up channel_failed_vendor_err, or 0.
 inline constexpr int channel_failed_errno(std::uint32_t vendor_err) noexcept {
-    return (vendor_err & 0xffff'0000) == channel_failed_tag ? static_cast<int>(vendor_err & 0xffff)
-                                                            : 0;
+    const std::uint32_t tag = vendor_err & 0xffff'0000;
+    return tag == channel_failed_tag || tag == srq_channel_failed_tag
+               ? static_cast<int>(vendor_err & 0xffff)
+               : 0;
 }
 
 } // namespace ringverbs::detail

@@ -50,7 +50,9 @@ struct srq_state {
     // proves that the device held fewer than `armed_limit` receives.
     std::uint32_t armed_limit = 0;
     std::uint64_t limit_events = 0;
-    int error = 0; // EIO after IBV_EVENT_SRQ_ERR: receives can no longer be relied on
+    // EIO after IBV_EVENT_SRQ_ERR: receives can no longer be relied on; ENODEV when lost;
+    // the channel's errno when cut off (channel_failed).
+    int error = 0;
     // What said that the device went away (detail::device_lost), or null: error is ENODEV,
     // what was owed ended (made up, device_lost_vendor_err), posts are refused.
     const char* lost = nullptr;
@@ -70,7 +72,8 @@ struct srq_state {
     srq_state& operator=(const srq_state&) = delete;
 
     // Ends every receive still owed with a made-up IBV_WC_WR_FLUSH_ERR carrying `vendor_err`
-    // (0, or device_lost_vendor_err). Only once nothing can complete them any more.
+    // (0, device_lost_vendor_err or channel_failed_vendor_err). Only once nothing can
+    // complete them any more.
     void end_owed(std::uint32_t vendor_err) noexcept;
     // Throws std::system_error for a post once lost (ENODEV) or cut off (channel_failed).
     [[noreturn]] void refuse_post() const;
@@ -91,9 +94,9 @@ struct srq_state {
     void limit_reached() noexcept;
     void failed() noexcept;
     // A completion channel of one of its receive CQs failed (channel_state::fail): marks the
-    // SRQ and every QP on it (false when lost or marked already); finish_cut_off then ends
+    // SRQ and every QP on it (not when lost or marked already); finish_cut_off then ends
     // those QPs' requests, polls the receive CQs and ends the receives still owed.
-    bool mark_cut_off(int err) noexcept;
+    void mark_cut_off(int err) noexcept;
     void finish_cut_off() noexcept;
 };
 
