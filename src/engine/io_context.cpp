@@ -138,13 +138,22 @@ io_context::~io_context() {
     shutting_down_ = true;
     // One cancel request matches every request in flight, the wakeup read included.
     // Awaitables refuse new operations from here on, so none escapes it.
-    {
+    // No SQE for it (the ring full and submitting refused for good): nothing in flight could
+    // be reaped, so none is waited for; io_uring_queue_exit below ends them in the kernel,
+    // without their handlers (what they would have freed is left).
+    bool cancelled = true;
+    try {
         io_uring_sqe* sqe = get_sqe();
         io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY);
         io_uring_sqe_set_data64(sqe, detail::ignored_user_data);
+    } catch (const std::exception& e) {
+        detail::diagnose("~io_context: the cancel of what is in flight could not be queued (%s): "
+                         "the ring's exit ends it, without its handlers",
+                         e.what());
+        cancelled = false;
     }
     io_context* outer = std::exchange(running_context, this);
-    for (;;) {
+    while (cancelled) {
         drain_remote();
         if (ready_.empty() && in_flight_ == 0 && background_ == 0 && !wakeup_.armed &&
             remote_head_.load(std::memory_order_acquire) == nullptr)

@@ -1,6 +1,7 @@
 #include "fd.hpp"
 
 #include <ringverbs/engine/detail/uring_hooks.hpp>
+#include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/file_io.hpp>
 #include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/engine/poll.hpp>
@@ -15,6 +16,8 @@
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <type_traits>
@@ -286,6 +289,36 @@ TEST_CASE(
     later.join();
     guard.join();
     CHECK(posted.load() == 2);
+}
+
+TEST_CASE("~io_context when the cancel of what is in flight gets no SQE: a diagnostics line, "
+          "no terminate") {
+    static std::vector<std::string> lines;
+    lines.clear();
+    const ringverbs::diagnostics_sink before = ringverbs::set_diagnostics_sink(
+        [](std::string_view line) noexcept { lines.emplace_back(line); });
+    const auto real_submit = ringverbs::detail::io_uring_hooks().submit;
+    {
+        io_context io;
+        io.run_once(false); // the ring is enabled, the wakeup read in flight
+        io_uring* ring = ringverbs::detail::loop(io).native_ring();
+        while (io_uring_sq_space_left(ring) > 0) {
+            io_uring_sqe* s = io_uring_get_sqe(ring);
+            io_uring_prep_nop(s);
+            io_uring_sqe_set_data64(s, 0);
+        }
+        // Not a shortage that passes: every submission fails.
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EIO; };
+    } // before: get_sqe() threw out of the destructor (std::terminate)
+    ringverbs::detail::io_uring_hooks().submit = real_submit;
+    ringverbs::set_diagnostics_sink(before);
+    bool said = false;
+    for (const std::string& line : lines) {
+        MESSAGE(line);
+        said = said || line.find("~io_context: the cancel of what is in flight could not be "
+                                 "queued") != std::string::npos;
+    }
+    CHECK(said);
 }
 
 // get_sqe() is called from inside awaiters, pollers and CQE handlers, with their objects on
