@@ -137,4 +137,10 @@ struct cm_id_state {
     void fail_all(int err) noexcept;
 };
 
+// The qp made on `id` (cm_id::make_qp), if any: its connection ended (its flushes from now on
+// end their awaits with connection_reset) / rdma_disconnect moved it to the error state (its
+// flushes are bounded, as after qp::to_error()).
+void mark_connection_closed(rdma_cm_id* id) noexcept;
+void watch_qp_flush(rdma_cm_id* id) noexcept;
+
 } // namespace ringverbs::detail

@@ -378,12 +378,24 @@ struct qp_state {
     qp_state(const qp_state&) = delete;
     qp_state& operator=(const qp_state&) = delete;
 
-    void link(wr_op* op) noexcept;
-    void unlink(wr_op* op) noexcept;
+    // Inline: once each per request, on the hot path.
+    void link(wr_op* op) noexcept {
+        push_owed(pending, op);
+        ++pending_count;
+    }
+    void unlink(wr_op* op) noexcept {
+        remove_owed(pending, op);
+        if (--pending_count == 0) owed_nothing();
+    }
     // The last owed request completed.
     void owed_nothing() noexcept;
     // A forced-signaled request was posted / its completion arrived.
-    void sink_posted() noexcept;
+    void sink_posted() noexcept {
+        if (sink_outstanding++ == 0)
+            link(&sink);
+        else
+            ++pending_count;
+    }
     static void sink_completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
     // Counts the completion of an unsignaled or forced-signaled request.
     void note_unsignaled(const ibv_wc& wc) noexcept;

@@ -1,0 +1,273 @@
+// qp::request: one posted work request (or chain) awaited by a coroutine: its post (signaled,
+// unsignaled, in the error state), its completion, its deadline and stop, and its outcome.
+#include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/rdma/qp.hpp>
+
+#include <ringverbs/rdma/detail/object_registry.hpp>
+#include <ringverbs/rdma/detail/outcome.hpp>
+#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/rdma/srq.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+namespace ringverbs {
+
+using detail::hooks;
+using detail::never_flushed_vendor_err;
+using detail::qp_state;
+using detail::wr_id_for;
+
+qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
+                     wait_options options) noexcept
+    : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
+    on_wc = &qp::request::completed;
+    sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
+    sge_.length = r.local.length;
+    sge_.lkey = r.local.lkey;
+    each_ = r.each;
+    signaled_ = r.signaled || k == kind::recv;
+    if (k == kind::recv) {
+        recv_chain_ = r.recv_chain;
+        recv_wr_.sg_list = &sge_;
+        recv_wr_.num_sge = 1;
+        return;
+    }
+    send_chain_ = r.send_chain;
+    send_wr_.opcode = r.opcode;
+    send_wr_.sg_list = &sge_;
+    send_wr_.num_sge = r.local.length > 0 || r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
+                               r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD
+                           ? 1
+                           : 0;
+    send_wr_.send_flags = r.send_flags | IBV_SEND_SIGNALED;
+    if (r.imm) send_wr_.imm_data = htobe32(*r.imm);
+    if (r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+        send_wr_.wr.atomic.remote_addr = r.remote.addr;
+        send_wr_.wr.atomic.rkey = r.remote.rkey;
+        send_wr_.wr.atomic.compare_add = r.compare_add;
+        send_wr_.wr.atomic.swap = r.swap;
+    } else {
+        send_wr_.wr.rdma.remote_addr = r.remote.addr;
+        send_wr_.wr.rdma.rkey = r.remote.rkey;
+    }
+}
+
+qp::request::~request() {
+    if (posted_ && !done_) {
+        // Posted with post() and never awaited: the request still owns its buffer and its
+        // wr_id names this object. Reset the QP: nothing can name us after that.
+        detail::diagnose("%s: a posted request was destroyed before its completion; qp %u is reset",
+                         name_, qp_->qp.qp_num());
+        abandon();
+    }
+}
+
+void qp::request::post() {
+    if (posted_) return;
+    if (kind_ == kind::recv && qp_->srq) [[unlikely]]
+        throw_system_error(EINVAL, std::string(name_) +
+                                       ": the qp receives from an srq: post the receive there");
+    if (qp_->in_error || qp_->reset_by_us) [[unlikely]]
+        qp_->posting_while_in_error(name_);
+    if (!signaled_ && post_unsignaled()) return;
+    if (kind_ == kind::send) {
+        ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
+        ibv_send_wr* last = head;
+        for (ibv_send_wr* w = head; w; w = w->next) {
+            w->wr_id = wr_id_for(this, w->next == nullptr);
+            last = w;
+        }
+        last->send_flags |= IBV_SEND_SIGNALED;
+        if (qp_->send_cq->solicited_only &&
+            qp_->send_cq->channel->options.mode != polling_mode::busy)
+            throw_system_error(EINVAL,
+                               std::string(name_) +
+                                   ": the qp's send CQ is armed solicited-only, where a send "
+                                   "completion raises no event: this await could wait for "
+                                   "ever. Give the sends a CQ without "
+                                   "cq_options::solicited_only, or use busy polling");
+        ibv_send_wr* bad = nullptr;
+        int rc = hooks().post_send(qp_->qp.native(), head, &bad);
+        if (rc != 0) {
+            // Requests before `bad` were posted and would complete against this awaiter, which
+            // is about to throw: reset the QP so that none can (only what was posted is owed).
+            if (head->next != nullptr && bad != head) abandon();
+            throw_system_error(verbs::verb_errno(rc), name_);
+        }
+        qp_->unsignaled_run = 0; // the signaled last request frees every slot before it
+    } else {
+        ibv_recv_wr* head = recv_chain_ ? recv_chain_ : &recv_wr_;
+        for (ibv_recv_wr* w = head; w; w = w->next)
+            w->wr_id = wr_id_for(this, w->next == nullptr);
+        ibv_recv_wr* bad = nullptr;
+        int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
+        if (rc != 0) {
+            if (head->next != nullptr && bad != head) abandon();
+            throw_system_error(verbs::verb_errno(rc), name_);
+        }
+    }
+    posted_ = true;
+    qp_->link(this);
+    if (qp_->posted_in_error) {
+        qp_->posted_in_error = false;
+        qp_->watch_flush();
+    }
+}
+
+// send_options::signaled = false. Posts the request unsignaled (or, one in signal_interval,
+// signaled with the qp's sink as its wr_id) and ends the await at once: returns true. Returns
+// false without posting when the forced-signaled request is due while too many are still
+// unconfirmed: the caller then posts it signaled, awaited like any other (back pressure).
+bool qp::request::post_unsignaled() {
+    qp_state& q = *qp_;
+    const bool forced = q.unsignaled_run + 1 >= q.signal_interval;
+    if (forced && q.sink_outstanding >= qp_state::max_sink_outstanding) {
+        ++q.counters.throttled;
+        return false;
+    }
+    send_wr_.send_flags &= ~unsigned{IBV_SEND_SIGNALED};
+    if (forced) {
+        send_wr_.send_flags |= IBV_SEND_SIGNALED;
+        send_wr_.wr_id = wr_id_for(&q.sink, true);
+    } else {
+        send_wr_.wr_id = wr_id_for(&q.send_cq->unsignaled, false);
+    }
+    ibv_send_wr* bad = nullptr;
+    int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
+    if (rc != 0) throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
+    ++q.counters.unsignaled;
+    if (forced) {
+        ++q.counters.forced_signaled;
+        q.unsignaled_run = 0;
+        q.sink_posted();
+        if (q.posted_in_error) q.watch_flush();
+    } else {
+        ++q.unsignaled_run;
+    }
+    q.posted_in_error = false;
+    result_ = ibv_wc{};
+    result_.status = IBV_WC_SUCCESS;
+    result_.opcode =
+        send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
+            ? IBV_WC_RDMA_WRITE
+            : IBV_WC_SEND;
+    result_.qp_num = q.qp.qp_num();
+    posted_ = true;
+    done_ = true;
+    return true;
+}
+
+void qp::request::await_suspend(std::coroutine_handle<> h) {
+    // Everything that can throw comes before the request is posted (a throw after it would
+    // leave a posted request behind an awaiter about to go): the timer's SQE first.
+    io_uring_sqe* timer = nullptr;
+    try {
+        timer = reserve_timer(*ctx_, options_);
+    } catch (...) {
+        if (posted_) abandon(); // posted early with post(): owed, and the awaiter goes
+        throw;
+    }
+    try {
+        post();
+    } catch (...) {
+        unreserve(timer);
+        throw;
+    }
+    begin_wait(*ctx_, options_, timer, h, &qp::request::interrupted_by);
+}
+
+// This awaiter goes while requests it posted are owed (post() failed part-way through a
+// chain, or a request posted with post() is never awaited): reset the QP, which ends every
+// owed request at once (reset(): the device's completions dispatched, the rest made up), so
+// that no completion names this object after it is gone.
+void qp::request::abandon() noexcept {
+    abandoned_ = true;
+    if (!posted_) {
+        posted_ = true;
+        qp_->link(this);
+    }
+    qp_->reset(0);
+}
+
+void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
+    auto* self = static_cast<qp::request*>(op);
+    if (self->abandoned_) {
+        if (last) {
+            self->done_ = true;
+            self->qp_->unlink(self);
+        }
+        return;
+    }
+    if (self->seen_ < self->each_.size()) self->each_[self->seen_] = wc;
+    ++self->seen_;
+    if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
+        self->failed_ = true;
+        self->first_error_ = wc;
+        // Flushed because its device went away or its channel failed (cut off: the QP was
+        // reset): reads as that.
+        if (wc.status == IBV_WC_WR_FLUSH_ERR)
+            if (const std::uint32_t v = self->qp_->cut_off_vendor_err(); v != 0)
+                self->first_error_.vendor_err = v;
+        self->closed_ = self->qp_->flushed_by_closed_connection(wc);
+    }
+    if (!last) return;
+    self->result_ = wc;
+    self->done_ = true;
+    self->qp_->unlink(self);
+    // Posted early and not awaited yet: the co_await will find it done.
+    if (self->wait_phase() == phase::waiting) self->decide(0);
+}
+
+bool qp::request::interrupted_by(wait_core* core, int) noexcept {
+    auto* self = static_cast<qp::request*>(core);
+    self->qp_->to_error(); // owed, so the qp's state is alive
+    return false;
+}
+
+namespace {
+// What a request is, for the failures of its completion (a post's failure names the verb
+// alone): "the receive (ibv_post_recv) on qp 17". Not the verb alone: a receive whose wait
+// timed out read as "ibv_post_recv: Connection timed out", as if the post had failed.
+std::string described(const char* verb, std::uint32_t qp_num) {
+    const std::string_view v(verb);
+    const char* noun = v.starts_with("ibv_post_recv")              ? "the receive"
+                       : v.find("RDMA_WRITE") != std::string::npos ? "the RDMA write"
+                       : v.find("RDMA_READ") != std::string::npos  ? "the RDMA read"
+                       : v.find("ATOMIC") != std::string::npos     ? "the atomic"
+                       : v.find("SEND") != std::string::npos       ? "the send"
+                                                                   : "the chain";
+    return std::string(noun) + " (" + verb + ") on qp " + std::to_string(qp_num);
+}
+} // namespace
+
+ibv_wc qp::request::await_resume() {
+    if (cancelled_early_) throw_system_error(ECANCELED, name_);
+    const int interrupted = this->interrupted();
+    finish_wait();
+    if (!failed_) return result_; // its real outcome came first
+    const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
+                               first_error_.vendor_err == never_flushed_vendor_err;
+    const std::string what = described(name_, first_error_.qp_num);
+    const char* note = never_flushed ? " (never flushed by the device; the QP was reset)" : "";
+    // A posted request cannot be recalled: the stop or the deadline moved the QP to error,
+    // and says why the wait ended (also when the device went away meanwhile).
+    if (stop_won() || interrupted == ECANCELED)
+        throw_system_error(ECANCELED, what +
+                                          ": cancelled (its stop_token, or the io_context's "
+                                          "end; the QP was moved to the error state to end it)" +
+                                          note);
+    if (interrupted == ETIMEDOUT)
+        throw_system_error(ETIMEDOUT, what +
+                                          ": no completion within its wait_options timeout "
+                                          "(the QP was moved to the error state to end it)" +
+                                          note);
+    detail::throw_failed_completion(first_error_, what, closed_);
+}
+
+} // namespace ringverbs
