@@ -113,15 +113,15 @@ struct cm_id_state {
     // An incoming request not yet answered: it is rejected if the id goes unanswered.
     bool unanswered = false;
     // RDMA_CM_EVENT_DEVICE_REMOVAL came: once the id is destroyed, librdmacm is made to forget
-    // the device (forget_removed_devices in cm_id.cpp), so that the removal can complete.
+    // the device (forget_removed_devices in cm_channel.cpp), so that the removal can complete.
     bool device_removed = false;
     std::vector<std::byte> request_data; // private data of the connection request
     // ENODEV after DEVICE_REMOVAL, or the channel's error (from the start for an id made on a
     // channel that failed already: no event of it would be read).
     int error = 0;
     bool closed = false; // the user's handle is gone
-    // iWARP: the rdma_connect running on a thread of its own (see cm_id.cpp), until the state
-    // goes; while it runs, nothing here may call into librdmacm for this id.
+    // iWARP: the rdma_connect running on a thread of its own (src/cm/blocking_connect.hpp),
+    // until the state goes; while it runs, nothing here may call into librdmacm for this id.
     std::shared_ptr<blocking_connect> connecting;
     bool listed = true; // in channel->ids (not while migrating to another channel)
 
