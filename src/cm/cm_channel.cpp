@@ -187,7 +187,7 @@ void deliver_step_outcome(cm_id_state& s, const rdma_cm_event& ev) noexcept {
 // of its requests are polled: those awaits end with connection_reset, not a bare flush.
 void mark_connection_closed(rdma_cm_id* id) noexcept {
     if (id->qp == nullptr) return;
-    with_object(id->qp, [](qp_state& q) { q.connection_closed = true; });
+    with_object(id->qp, [](qp_state& q) { q.connection_ended(); });
 }
 
 // rdma_disconnect has moved the id's QP to the error state: its flushes are bounded as after
@@ -195,10 +195,7 @@ void mark_connection_closed(rdma_cm_id* id) noexcept {
 // leave an await of the qp waiting for ever.
 void watch_qp_flush(rdma_cm_id* id) noexcept {
     if (id->qp == nullptr) return;
-    with_object(id->qp, [](qp_state& q) {
-        q.in_error = true;
-        q.watch_flush();
-    });
+    with_object(id->qp, [](qp_state& q) { q.moved_to_error_by_disconnect(); });
 }
 
 namespace {

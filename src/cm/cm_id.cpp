@@ -462,7 +462,7 @@ qp cm_id::make_qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
     qp made(create_qp(pd, send_cq.native_cq(), recv_cq.native_cq(), caps, shared), send_cq, recv_cq,
             options);
     if (state_->id->verbs->device->transport_type == IBV_TRANSPORT_IWARP)
-        detail::with_object(state_->id->qp, [](detail::qp_state& q) { q.iwarp_connection = true; });
+        detail::with_object(state_->id->qp, [](detail::qp_state& q) { q.on_iwarp_connection(); });
     return made;
 }
 

@@ -73,8 +73,7 @@ void qp::request::post() {
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
         throw_system_error(EINVAL, std::string(name_) +
                                        ": the qp receives from an srq: post the receive there");
-    if (qp_->in_error || qp_->reset_by_us) [[unlikely]]
-        qp_->posting_while_in_error(name_);
+    qp_->before_post(name_);
     if (!signaled_ && post_unsignaled()) return;
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
@@ -114,10 +113,7 @@ void qp::request::post() {
     }
     posted_ = true;
     qp_->link(this);
-    if (qp_->posted_in_error) {
-        qp_->posted_in_error = false;
-        qp_->watch_flush();
-    }
+    qp_->after_post(true);
 }
 
 // send_options::signaled = false. Posts the request unsignaled (or, one in signal_interval,
@@ -146,11 +142,10 @@ bool qp::request::post_unsignaled() {
         ++q.counters.forced_signaled;
         q.unsignaled_run = 0;
         q.sink_posted();
-        if (q.posted_in_error) q.watch_flush();
     } else {
         ++q.unsignaled_run;
     }
-    q.posted_in_error = false;
+    q.after_post(forced); // a plain unsignaled send is owed nothing: no bound
     result_ = ibv_wc{};
     result_.status = IBV_WC_SUCCESS;
     result_.opcode =

@@ -15,8 +15,7 @@ namespace detail {
 
 void recv_ring_state::post(std::uint32_t i) {
     slot& s = slots[i];
-    if (qp->in_error || qp->reset_by_us) [[unlikely]]
-        qp->posting_while_in_error("ibv_post_recv (recv_ring)");
+    qp->before_post("ibv_post_recv (recv_ring)");
     ibv_recv_wr* bad = nullptr;
     s.wr.next = nullptr;
     if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0)
@@ -24,10 +23,7 @@ void recv_ring_state::post(std::uint32_t i) {
     s.posted = true;
     s.done = false;
     qp->link(&s);
-    if (qp->posted_in_error) {
-        qp->posted_in_error = false;
-        qp->watch_flush();
-    }
+    qp->after_post(true);
 }
 
 void recv_ring_state::repost_held() {

@@ -414,6 +414,20 @@ struct qp_state {
     // First refuses the post when the QP's device went away (ENODEV) or a completion channel
     // of its CQs failed (that errno).
     void posting_while_in_error(const char* verb);
+    // Around every post of this QP (qp::request, recv_ring), the in-error probe written once:
+    // before_post refuses it or marks it posted in the error state (posting_while_in_error,
+    // only then); after_post, once it is posted, bounds it like a flush when it was so marked
+    // and is owed a completion (`owed`: not a plain unsignaled send).
+    void before_post(const char* verb) {
+        if (in_error || reset_by_us) [[unlikely]]
+            posting_while_in_error(verb);
+    }
+    void after_post(bool owed) noexcept {
+        if (!posted_in_error) [[likely]]
+            return;
+        posted_in_error = false;
+        if (owed) watch_flush();
+    }
     // A completion channel of its CQs (or, `by_srq`, of its srq's receive CQs) failed with
     // `err` (channel_state::fail), in two steps so that every QP on the failed CQs reads as
     // cut off before any of them drains a shared CQ: mark_cut_off sets channel_failed (not
@@ -431,6 +445,16 @@ struct qp_state {
     // Starts the flush timer when requests are owed and it is not running. Where no timer
     // can run (the io_context is being destroyed) ends them at once (reset()).
     void watch_flush() noexcept;
+    // From the cm layer, for the QP of a cm_id (cm_id::make_qp), which writes none of these
+    // fields itself: the connection is on iWARP (set once, at make_qp); it ended (DISCONNECTED
+    // or our rdma_disconnect: flushes from now on end their awaits with connection_reset);
+    // rdma_disconnect moved the QP to the error state (its flushes bounded, as to_error's).
+    void on_iwarp_connection() noexcept { iwarp_connection = true; }
+    void connection_ended() noexcept { connection_closed = true; }
+    void moved_to_error_by_disconnect() noexcept {
+        in_error = true;
+        watch_flush();
+    }
     // Ends every request still owed, without waiting: moves the QP to the error state (unless
     // in_error; a device that ignores RESET, siw, flushes what it holds there) and then to
     // RESET (after which the device produces no completion for it), polls its CQs
