@@ -495,8 +495,7 @@ class listener_ready : detail::waiter {
         return !state_->ready.empty() || state_->gone || state_->error != 0;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->waiters.push_back(this);
-        start(*state_->io, options_, h, &state_->waiters, &detail::waiter_queue::detach);
+        wait_in(state_->waiters, *state_->io, options_, h);
     }
     void await_resume() {
         const int err = decided() ? error() : 0;

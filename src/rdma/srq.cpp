@@ -271,8 +271,7 @@ void srq::low_water_awaitable::await_suspend(std::coroutine_handle<> h) {
     // or by the arm made for it after that event.
     if (state_->armed_limit == 0)
         state_->arm(std::max(below, state_->largest_waiting())); // throws: nothing queued
-    state_->low_water_waiters.push_back(this);
-    start(*state_->ctx, options_, h, &state_->low_water_waiters, &detail::waiter_queue::detach);
+    wait_in(state_->low_water_waiters, *state_->ctx, options_, h);
 }
 
 void srq::low_water_awaitable::await_resume() {

@@ -286,14 +286,12 @@ class cm_id::step_wait : detail::cm_step_waiter {
         return false;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->step_waiters.push_back(this);
         // Without a timeout of its own, the step is bounded by the channel's step_timeout.
         const wait_options bounded =
             options_.timeout == wait_options::no_timeout
                 ? wait_options(state_->channel->step_timeout, options_.stop)
                 : options_;
-        start(*state_->channel->ctx, bounded, h, &state_->step_waiters,
-              &detail::waiter_queue::detach);
+        wait_in(state_->step_waiters, *state_->channel->ctx, bounded, h);
     }
 
   protected:
@@ -359,9 +357,7 @@ class cm_id::accept_awaitable : detail::cm_accept_waiter {
         return state_->closed || state_->error != 0;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->accept_waiters.push_back(this);
-        start(*state_->channel->ctx, options_, h, &state_->accept_waiters,
-              &detail::waiter_queue::detach);
+        wait_in(state_->accept_waiters, *state_->channel->ctx, options_, h);
     }
     cm_id await_resume() {
         int err = decided() ? error() : 0;
@@ -394,15 +390,13 @@ class cm_id::disconnect_awaitable : detail::waiter {
         return state_->disconnected;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->disconnect_waiters.push_back(this);
         // disconnect() without a timeout of its own is bounded like a step (its answer is the
         // peer's CM's); disconnected() waits for the peer as long as asked.
         const wait_options bounded =
             initiate_ && options_.timeout == wait_options::no_timeout
                 ? wait_options(state_->channel->step_timeout, options_.stop)
                 : options_;
-        start(*state_->channel->ctx, bounded, h, &state_->disconnect_waiters,
-              &detail::waiter_queue::detach);
+        wait_in(state_->disconnect_waiters, *state_->channel->ctx, bounded, h);
     }
     void await_resume() {
         // Decided: fulfilled (0: the DISCONNECTED event) or failed; *state_ is not read, since

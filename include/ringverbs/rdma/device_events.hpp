@@ -128,8 +128,7 @@ class device_events::next_awaitable : detail::waiter {
         return has || state_->closed || state_->error != 0;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->waiters.push_back(this);
-        start(*state_->ctx, options_, h, &state_->waiters, &detail::waiter_queue::detach);
+        wait_in(state_->waiters, *state_->ctx, options_, h);
     }
     async_event await_resume() {
         const int err = decided() ? error() : 0;

@@ -307,8 +307,7 @@ class qp::close_awaitable : detail::waiter {
         return state_->pending_count == 0;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->close_waiters.push_back(this);
-        start(*state_->ctx, options_, h, &state_->close_waiters, &detail::waiter_queue::detach);
+        wait_in(state_->close_waiters, *state_->ctx, options_, h);
     }
     // Decided or not, *state_ is not read: the qp may be gone by now.
     void await_resume() {

@@ -179,8 +179,7 @@ class recv_ring::next_awaitable : detail::recv_ring_waiter {
         return state_->hand_out(*this);
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->waiters.push_back(this);
-        start(*state_->ctx, options_, h, &state_->waiters, &detail::waiter_queue::detach);
+        wait_in(state_->waiters, *state_->ctx, options_, h);
     }
     message await_resume();
 

@@ -11,6 +11,8 @@
 
 namespace ringverbs::detail {
 
+class waiter_queue;
+
 // A coroutine queued on a source (a CQ's next(), a poll stream, an rdma_cm id, device events,
 // qp::close()). Exactly one of three things decides it: the source fulfils it, its deadline
 // passes, or its stop_token fires. Whoever decides first unlinks it from the source's queue
@@ -41,6 +43,11 @@ class waiter : wait_core {
         }
         begin_wait(ctx, options, timer, h, &waiter::interrupted_by);
     }
+
+    // The form of every source whose waiters sit in one waiter_queue: links this waiter at
+    // the end of `queue`, then start()s (which unlinks it again when it throws).
+    void wait_in(waiter_queue& queue, io_context& ctx, const wait_options& options,
+                 std::coroutine_handle<> h);
 
     // The source gives the waiter its outcome (0, or a positive errno), after unlinking it.
     void fulfil(int error) noexcept { decide(error); }
@@ -105,5 +112,11 @@ class waiter_queue {
     waiter* head_ = nullptr;
     waiter* tail_ = nullptr;
 };
+
+inline void waiter::wait_in(waiter_queue& queue, io_context& ctx, const wait_options& options,
+                            std::coroutine_handle<> h) {
+    queue.push_back(this);
+    start(ctx, options, h, &queue, &waiter_queue::detach);
+}
 
 } // namespace ringverbs::detail
