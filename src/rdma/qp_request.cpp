@@ -59,7 +59,7 @@ qp::request::request(detail::qp_state* qp, kind k, const char* name, const detai
 }
 
 qp::request::~request() {
-    if (posted_ && !done_) {
+    if (stage_ == stage::posted || stage_ == stage::abandoned) {
         // Posted with post() and never awaited: the request still owns its buffer and its
         // wr_id names this object. Reset the QP: nothing can name us after that.
         detail::diagnose("%s: a posted request was destroyed before its completion; qp %u is reset",
@@ -69,7 +69,7 @@ qp::request::~request() {
 }
 
 void qp::request::post() {
-    if (posted_) return;
+    if (stage_ != stage::built) return;
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
         throw_system_error(EINVAL, std::string(name_) +
                                        ": the qp receives from an srq: post the receive there");
@@ -111,7 +111,7 @@ void qp::request::post() {
             throw_system_error(verbs::verb_errno(rc), name_);
         }
     }
-    posted_ = true;
+    stage_ = stage::posted;
     qp_->link(this);
     qp_->after_post(true);
 }
@@ -153,8 +153,7 @@ bool qp::request::post_unsignaled() {
             ? IBV_WC_RDMA_WRITE
             : IBV_WC_SEND;
     result_.qp_num = q.qp.qp_num();
-    posted_ = true;
-    done_ = true;
+    stage_ = stage::done;
     return true;
 }
 
@@ -165,7 +164,8 @@ void qp::request::await_suspend(std::coroutine_handle<> h) {
     try {
         timer = reserve_timer(*ctx_, options_);
     } catch (...) {
-        if (posted_) abandon(); // posted early with post(): owed, and the awaiter goes
+        // Posted early with post(): owed, and the awaiter goes.
+        if (stage_ == stage::posted) abandon();
         throw;
     }
     try {
@@ -182,38 +182,35 @@ void qp::request::await_suspend(std::coroutine_handle<> h) {
 // owed request at once (reset(): the device's completions dispatched, the rest made up), so
 // that no completion names this object after it is gone.
 void qp::request::abandon() noexcept {
-    abandoned_ = true;
-    if (!posted_) {
-        posted_ = true;
-        qp_->link(this);
-    }
+    if (stage_ == stage::built) qp_->link(this); // a chain posted in part
+    stage_ = stage::abandoned;
     qp_->reset(0);
 }
 
 void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     auto* self = static_cast<qp::request*>(op);
-    if (self->abandoned_) {
+    if (self->stage_ == stage::abandoned) {
         if (last) {
-            self->done_ = true;
+            self->stage_ = stage::done;
             self->qp_->unlink(self);
         }
         return;
     }
     if (self->seen_ < self->each_.size()) self->each_[self->seen_] = wc;
     ++self->seen_;
-    if (wc.status != IBV_WC_SUCCESS && !self->failed_) {
-        self->failed_ = true;
+    if (wc.status != IBV_WC_SUCCESS && self->outcome_ == outcome::ok) {
         self->first_error_ = wc;
         // Flushed because its device went away or its channel failed (cut off: the QP was
         // reset): reads as that.
         if (wc.status == IBV_WC_WR_FLUSH_ERR)
             if (const std::uint32_t v = self->qp_->cut_off_vendor_err(); v != 0)
                 self->first_error_.vendor_err = v;
-        self->closed_ = self->qp_->flushed_by_closed_connection(wc);
+        self->outcome_ =
+            self->qp_->flushed_by_closed_connection(wc) ? outcome::closed : outcome::failed;
     }
     if (!last) return;
     self->result_ = wc;
-    self->done_ = true;
+    self->stage_ = stage::done;
     self->qp_->unlink(self);
     // Posted early and not awaited yet: the co_await will find it done.
     if (self->wait_phase() == phase::waiting) self->decide(0);
@@ -242,10 +239,10 @@ std::string described(const char* verb, std::uint32_t qp_num) {
 } // namespace
 
 ibv_wc qp::request::await_resume() {
-    if (cancelled_early_) throw_system_error(ECANCELED, name_);
+    if (stage_ == stage::cancelled_early) throw_system_error(ECANCELED, name_);
     const int interrupted = this->interrupted();
     finish_wait();
-    if (!failed_) return result_; // its real outcome came first
+    if (outcome_ == outcome::ok) return result_; // its real outcome came first
     const bool never_flushed = first_error_.status == IBV_WC_WR_FLUSH_ERR &&
                                first_error_.vendor_err == never_flushed_vendor_err;
     const std::string what = described(name_, first_error_.qp_num);
@@ -262,7 +259,7 @@ ibv_wc qp::request::await_resume() {
                                           ": no completion within its wait_options timeout "
                                           "(the QP was moved to the error state to end it)" +
                                           note);
-    detail::throw_failed_completion(first_error_, what, closed_);
+    detail::throw_failed_completion(first_error_, what, outcome_ == outcome::closed);
 }
 
 } // namespace ringverbs

@@ -243,15 +243,15 @@ class qp::request : detail::wr_op, detail::wait_core {
     // May throw: an unsignaled request is posted here (it is done once posted, so the
     // coroutine does not suspend).
     bool await_ready() {
-        if (cancelled_early_) return true;
-        if (!posted_) {
+        if (stage_ == stage::cancelled_early) return true;
+        if (stage_ == stage::built) {
             if (options_.stop.stop_requested() || ctx_->shutting_down()) {
-                cancelled_early_ = true;
+                stage_ = stage::cancelled_early;
                 return true;
             }
             if (!signaled_) post();
         }
-        return posted_ && done_;
+        return stage_ == stage::done;
     }
     void await_suspend(std::coroutine_handle<> h);
     ibv_wc await_resume();
@@ -259,6 +259,14 @@ class qp::request : detail::wr_op, detail::wait_core {
   private:
     friend class qp;
     enum class kind { send, recv };
+    // Where the request is. built -> posted -> done; built -> cancelled_early (stopped before
+    // it was posted: nothing owed, the await throws ECANCELED); built or posted -> abandoned
+    // (its awaiter gives up on it, abandon(): its completions are only counted) -> done.
+    // An unsignaled send goes from built to done at its post (its completion made up).
+    enum class stage : std::uint8_t { built, cancelled_early, posted, abandoned, done };
+    // What its completions said: ok, or the first failure (first_error_), flushed after its
+    // connection ended (closed: connection_reset) or not (failed).
+    enum class outcome : std::uint8_t { ok, failed, closed };
 
     request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
             wait_options options) noexcept;
@@ -271,7 +279,7 @@ class qp::request : detail::wr_op, detail::wait_core {
     bool post_unsignaled();
 
     // The qp's state is alive while this request is owed a completion (a destroyed qp keeps
-    // its state until then); once done_, only ctx_ is touched, never qp_.
+    // its state until then); once done, only ctx_ is touched, never qp_.
     detail::qp_state* qp_;
     io_context* ctx_;
     kind kind_;
@@ -286,13 +294,9 @@ class qp::request : detail::wr_op, detail::wait_core {
     ibv_wc result_{};
     ibv_wc first_error_{};
     std::size_t seen_ = 0;
-    bool failed_ = false;          // a completion of the chain failed (first_error_)
-    bool closed_ = false;          // ... flushed after its connection ended (connection_reset)
-    bool done_ = false;            // the chain's last completion came (result_)
-    bool cancelled_early_ = false; // stopped before it was posted: nothing owed
-    bool abandoned_ = false;       // its awaiter gives up on it (abandon())
-    bool posted_ = false;
-    bool signaled_ = true;
+    stage stage_ = stage::built;
+    outcome outcome_ = outcome::ok;
+    bool signaled_ = true; // posted signaled (else unsignaled, see send_options::signaled)
 };
 
 // qp::close_awaitable: returned by qp::close(); co_await it (gives nothing, throws as close()
