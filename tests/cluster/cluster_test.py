@@ -7,7 +7,6 @@ node 1, with faults on the link from tc netem.
 
 Outside a two-node cluster it exits 77 (SKIP). Throughput under faults is reported, not
 asserted: every byte is."""
-import json
 import os
 import re
 import signal
@@ -15,6 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import harness  # noqa: E402  (tests/support/harness.py)
+from harness import Failure, check  # noqa: E402
 
 BUILD = os.path.abspath(sys.argv[1])
 TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,15 +27,6 @@ CLIENT = os.path.join(BUILD, "examples", "echo_client")
 PEER = os.environ.get("RINGVERBS_PEER_ADDR", "")
 PEER6 = os.environ.get("RINGVERBS_PEER_ADDR6", "")
 TMP = tempfile.mkdtemp(prefix="cluster_test.")
-
-
-class Failure(Exception):
-    pass
-
-
-def check(cond, what):
-    if not cond:
-        raise Failure(what)
 
 
 def on_node(node, *cmd, timeout=120):
@@ -50,39 +44,18 @@ def netem(*spec):
             on_node(node, "tc", "qdisc", "del", "dev", "eth0", "root")
 
 
-class RemoteServer:
+class RemoteServer(harness.Server):
     """echo_server on node 2, through on-node (which forwards SIGTERM to it)."""
 
     def __init__(self, port, *args, address=None):
-        self.log = os.path.join(TMP, f"server.{port}.log")
         self.port = port
         self.address = address or PEER
-        self.proc = subprocess.Popen([ON_NODE, "2", SERVER, "--address", self.address, "--port", str(port), *args],
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-        self.wait_for("listening on", 60)
-
-    def text(self):
-        with open(self.log) as f:
-            return f.read()
-
-    def wait_for(self, pattern, timeout, count=1):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(re.findall(pattern, self.text())) >= count:
-                return
-            if self.proc.poll() is not None:
-                raise Failure(f"server exited ({self.proc.returncode}) before '{pattern}':\n{self.text()}")
-            time.sleep(0.1)
-        raise Failure(f"server: no '{pattern}' (x{count}) within {timeout}s:\n{self.text()}")
+        super().__init__([ON_NODE, "2", SERVER, "--address", self.address, "--port", str(port), *args],
+                         os.path.join(TMP, f"server.{port}.log"), ready_timeout=60, interval=0.1)
 
     def stop(self, timeout=60):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise Failure(f"server did not exit within {timeout}s of SIGTERM:\n{self.text()}")
+        # No backtrace: the process here is on-node's, the server runs on node 2.
+        return super().stop(timeout=timeout, backtrace=False)
 
 
 def client(port, *args, timeout=600, address=None):
@@ -148,21 +121,12 @@ def case_lossy_link():
 
 def rdma_counts(node):
     """QPs, CQs, MRs, PDs and cm_ids on a node (every process, and the kernel's own)."""
-    counts = {}
-    for kind in ("qp", "cq", "mr", "pd", "cm_id"):
-        rc, out, err = on_node(node, "rdma", "-j", "resource", "show", kind)
-        check(rc == 0, f"rdma resource show {kind} on node {node}: {err}")
-        counts[kind] = len(json.loads(out or "[]"))
-    return counts
+    return {kind: len(harness.restrack_list(kind, lambda cmd: on_node(node, *cmd)))
+            for kind in harness.RDMA_KINDS}
 
 
 def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.5)
-    raise Failure(f"not within {timeout}s: {what() if callable(what) else what}")
+    harness.wait_until(cond, timeout, what, interval=0.5)  # a check on a node costs a process
 
 
 def case_partition():

@@ -21,15 +21,15 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import harness  # noqa: E402  (tests/support/harness.py)
+from harness import Failure, check, wait_until  # noqa: E402
+
 BUILD = os.path.abspath(sys.argv[1])
 SERVER = os.path.join(BUILD, "examples", "echo_server")
 CLIENT = os.path.join(BUILD, "examples", "echo_client")
 ADDR = os.environ.get("RINGVERBS_ADDR", "")
 TMP = tempfile.mkdtemp(prefix="echo_test.")
-
-
-class Failure(Exception):
-    pass
 
 
 class NotApplicable(Exception):
@@ -44,59 +44,24 @@ def needs_rnr():
         raise NotApplicable("iWARP has no RNR: a SEND that finds no receive posted ends the connection")
 
 
-def check(cond, what):
-    if not cond:
-        raise Failure(what)
-
-
 def have_device():
     return os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
 
 
-class Server:
+class Server(harness.Server):
     def __init__(self, port, *args, address=None, wrapper=()):
         """`wrapper`: a command line the server runs under (e.g. prlimit), which execs it."""
-        self.log = os.path.join(TMP, f"server.{port}.log")
         self.port = port
-        self.proc = subprocess.Popen([*wrapper, SERVER, "--address", address or ADDR, "--port", str(port), *args],
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-        self.wait_for("listening on", 20)
-
-    def text(self):
-        with open(self.log) as f:
-            return f.read()
-
-    def wait_for(self, pattern, timeout, count=1):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(re.findall(pattern, self.text())) >= count:
-                return
-            if self.proc.poll() is not None:
-                raise Failure(f"server exited ({self.proc.returncode}) before '{pattern}':\n{self.text()}")
-            time.sleep(0.05)
-        raise Failure(f"server: no '{pattern}' (x{count}) within {timeout}s:\n{self.text()}")
-
-    def stop(self, sig=signal.SIGTERM, timeout=30):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            if shutil.which("gdb"):
-                subprocess.run(["gdb", "-batch", "-p", str(self.proc.pid), "-ex", "thread apply all bt"])
-            self.proc.kill()
-            raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
+        super().__init__([*wrapper, SERVER, "--address", address or ADDR, "--port", str(port), *args],
+                         os.path.join(TMP, f"server.{port}.log"))
 
     def rdma_counts(self):
         """The server's objects in the kernel's restrack, by kind."""
-        return {kind: self.rdma_objects(kind) for kind in ("qp", "cq", "mr", "pd", "cm_id")}
+        return harness.restrack(self.proc.pid)
 
     def rdma_objects(self, kind):
         """How many `kind` (qp, mr) objects the kernel's restrack lists for the server."""
-        out = subprocess.run(["rdma", "-j", "resource", "show", kind], capture_output=True, text=True, check=True)
-        # Restrack names the thread that made an object: any of the server's threads.
-        tasks = {int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")} | {self.proc.pid}
-        return sum(1 for o in json.loads(out.stdout or "[]") if o.get("pid") in tasks)
+        return harness.restrack(self.proc.pid, (kind,))[kind]
 
     def fds(self):
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
@@ -140,15 +105,6 @@ def json_of(stdout):
     line = next((l for l in stdout.splitlines() if l.startswith("{")), None)
     check(line, f"no JSON line in the client's output:\n{stdout}")
     return json.loads(line)
-
-
-def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise Failure(f"not within {timeout}s: {what() if callable(what) else what}")
 
 
 # --- the cases ----------------------------------------------------------------------------

@@ -26,6 +26,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from harness import restrack  # noqa: E402  (tests/support/harness.py)
+
 BUILD = sys.argv[1] if len(sys.argv) > 1 else "build"
 ADDR = os.environ.get("RINGVERBS_ADDR", "")
 EX = os.path.join(BUILD, "examples")
@@ -104,18 +107,6 @@ def good_client(server, port, clients=1):
             return False, out
         time.sleep(0.5)
     return False, out
-
-
-def restrack(pid):
-    counts = {}
-    try:
-        tasks = {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
-    except FileNotFoundError:
-        return None
-    for kind in ("qp", "cq", "mr", "pd", "cm_id"):
-        out = subprocess.run(["rdma", "-j", "resource", "show", kind], capture_output=True, text=True).stdout
-        counts[kind] = sum(1 for o in json.loads(out or "[]") if o.get("pid") in tasks)
-    return counts
 
 
 def kill_group(proc):

@@ -1,0 +1,97 @@
+"""What the process-level tests share (tests/examples/echo_test.py and hostile_test.py,
+tests/cluster/cluster_test.py): a server process with its log, waits with a bound, and the
+kernel's count of a process's RDMA objects (restrack, through iproute2's `rdma`).
+
+Each test puts this folder on sys.path and imports it: `import harness`."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+RDMA_KINDS = ("qp", "cq", "mr", "pd", "cm_id")
+
+
+class Failure(Exception):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Failure(what)
+
+
+def wait_until(cond, timeout, what, interval=0.05):
+    """Polls cond() until it holds; after `timeout` seconds fails naming `what` (or what())."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(interval)
+    raise Failure(f"not within {timeout}s: {what() if callable(what) else what}")
+
+
+class Server:
+    """A server process whose output goes to `log`; ready once `ready` is in it (within
+    `ready_timeout` s, else Failure). `interval`: how often the log is read while waiting."""
+
+    def __init__(self, cmd, log, ready="listening on", ready_timeout=20, interval=0.05):
+        self.log = log
+        self.interval = interval
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.wait_for(ready, ready_timeout)
+
+    def text(self):
+        with open(self.log) as f:
+            return f.read()
+
+    def wait_for(self, pattern, timeout, count=1):
+        """Until the log holds `pattern` (a regex) `count` times; Failure if the process ends
+        first or `timeout` s pass."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(re.findall(pattern, self.text())) >= count:
+                return
+            if self.proc.poll() is not None:
+                raise Failure(f"server exited ({self.proc.returncode}) before '{pattern}':\n{self.text()}")
+            time.sleep(self.interval)
+        raise Failure(f"server: no '{pattern}' (x{count}) within {timeout}s:\n{self.text()}")
+
+    def stop(self, sig=signal.SIGTERM, timeout=30, backtrace=True):
+        """Sends `sig` (unless it ended already) and gives its exit status; if it does not end
+        within `timeout` s: its threads' backtraces (gdb, when `backtrace` and installed), then
+        SIGKILL and Failure."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if backtrace and shutil.which("gdb"):
+                subprocess.run(["gdb", "-batch", "-p", str(self.proc.pid), "-ex", "thread apply all bt"])
+            self.proc.kill()
+            raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
+
+
+def restrack_list(kind, runner=None):
+    """The kernel's `kind` objects (qp, cq, mr, pd, cm_id) as `rdma -j resource show` lists them;
+    `runner(cmd)` gives (status, stdout, stderr) for another host (default: here)."""
+    cmd = ["rdma", "-j", "resource", "show", kind]
+    if runner is None:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    else:
+        rc, out, err = runner(cmd)
+    check(rc == 0, f"rdma resource show {kind}: {err}")
+    return json.loads(out or "[]")
+
+
+def restrack(pid, kinds=RDMA_KINDS):
+    """How many objects of each kind the kernel lists for process `pid` (restrack names the
+    thread that made one: any of its threads counts), or None once the process is gone."""
+    try:
+        tasks = {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
+    except FileNotFoundError:
+        return None
+    return {kind: sum(1 for o in restrack_list(kind) if o.get("pid") in tasks) for kind in kinds}
