@@ -121,7 +121,7 @@ def case_lossy_link():
 
 def rdma_counts(node):
     """QPs, CQs, MRs, PDs and cm_ids on a node (every process, and the kernel's own)."""
-    return {kind: len(harness.restrack_list(kind, lambda cmd: on_node(node, *cmd)))
+    return {kind: len(harness.restrack_list(kind, lambda cmd: on_node(node, *cmd), f" on node {node}"))
             for kind in harness.RDMA_KINDS}
 
 

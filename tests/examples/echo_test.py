@@ -55,13 +55,15 @@ class Server(harness.Server):
         super().__init__([*wrapper, SERVER, "--address", address or ADDR, "--port", str(port), *args],
                          os.path.join(TMP, f"server.{port}.log"))
 
-    def rdma_counts(self):
+    def rdma_counts(self, kinds=harness.RDMA_KINDS):
         """The server's objects in the kernel's restrack, by kind."""
-        return harness.restrack(self.proc.pid)
+        counts = harness.restrack(self.proc.pid, kinds)
+        check(counts is not None, f"the server exited ({self.proc.poll()}):\n{self.text()}")
+        return counts
 
     def rdma_objects(self, kind):
         """How many `kind` (qp, mr) objects the kernel's restrack lists for the server."""
-        return harness.restrack(self.proc.pid, (kind,))[kind]
+        return self.rdma_counts((kind,))[kind]
 
     def fds(self):
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))

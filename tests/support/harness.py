@@ -74,16 +74,17 @@ class Server:
             raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
 
 
-def restrack_list(kind, runner=None):
+def restrack_list(kind, runner=None, where=""):
     """The kernel's `kind` objects (qp, cq, mr, pd, cm_id) as `rdma -j resource show` lists them;
-    `runner(cmd)` gives (status, stdout, stderr) for another host (default: here)."""
+    `runner(cmd)` gives (status, stdout, stderr) for another host (default: here), `where`
+    names it in the Failure when the command fails."""
     cmd = ["rdma", "-j", "resource", "show", kind]
     if runner is None:
         r = subprocess.run(cmd, capture_output=True, text=True)
         rc, out, err = r.returncode, r.stdout, r.stderr
     else:
         rc, out, err = runner(cmd)
-    check(rc == 0, f"rdma resource show {kind}: {err}")
+    check(rc == 0, f"rdma resource show {kind}{where}: {err}")
     return json.loads(out or "[]")
 
 
