@@ -90,7 +90,7 @@ void throw_failed_completion(const ibv_wc& wc, const std::string& what, bool clo
         if (const int err = channel_failed_errno(wc.vendor_err); err != 0)
             throw_system_error(
                 err, what +
-                         ((wc.vendor_err & 0xffff'0000) == srq_channel_failed_tag
+                         (channel_failed_via_srq(wc.vendor_err)
                               ? ": a completion channel of the srq's receive CQs failed"
                               : ": a completion channel of its QP's CQs failed") +
                          " (see channel::error()), so its completion could never be read: the "

@@ -42,16 +42,9 @@ void lose_srq(srq_state& s, const char* cause) noexcept {
     if (s.lost) return;
     s.lost = cause;
     s.error = ENODEV;
-    while (waiter* w = s.low_water_waiters.pop_front())
-        w->fulfil(ENODEV);
-    // Its QPs first (reset: nothing of theirs completes after this), then what their receive
-    // CQs still hold, then the receives owed end made up: each exactly once.
-    for (auto& c : s.recv_cqs) {
-        for (qp_state* q : c->qps)
-            if (q->srq.get() == &s && q->ctx == s.ctx) lose_qp(*q, cause);
-        c->channel->drain_cq(*c);
-    }
-    s.end_owed(device_lost_vendor_err);
+    s.end_everything(ENODEV, device_lost_vendor_err, [&s, cause](qp_state& q) {
+        if (q.ctx == s.ctx) lose_qp(q, cause);
+    });
 }
 
 // Posts `lose` for one object to `owner`; it runs there only if the object is still the one

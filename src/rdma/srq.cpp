@@ -162,20 +162,12 @@ void srq_state::mark_cut_off(int err) noexcept {
 void srq_state::finish_cut_off() noexcept {
     if (!cut_off_owed) return;
     cut_off_owed = false;
-    while (waiter* w = low_water_waiters.pop_front())
-        w->fulfil(channel_failed);
     if (pending_count > 0)
         diagnose("srq: a completion channel of its receive CQs failed (%s): its %zu owed "
                  "receives end now",
                  std::system_category().message(channel_failed).c_str(), pending_count);
-    // Its QPs first (reset: none takes a receive after this), then what their receive CQs
-    // still hold, then the receives owed end made up: each exactly once.
-    for (auto& c : recv_cqs) {
-        for (qp_state* q : c->qps)
-            if (q->srq.get() == this) q->finish_cut_off();
-        c->channel->drain_cq(*c);
-    }
-    end_owed(channel_failed_vendor_err(channel_failed, true));
+    end_everything(channel_failed, channel_failed_vendor_err(channel_failed, true),
+                   [](qp_state& q) { q.finish_cut_off(); });
 }
 
 } // namespace detail

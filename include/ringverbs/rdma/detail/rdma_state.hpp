@@ -485,6 +485,10 @@ inline constexpr std::uint32_t channel_failed_vendor_err(int err, bool via_srq =
     return (via_srq ? srq_channel_failed_tag : channel_failed_tag) |
            (static_cast<std::uint32_t>(err) & 0xffff);
 }
+// Whether a made-up channel_failed_vendor_err came from a receive CQ of the QP's srq.
+inline constexpr bool channel_failed_via_srq(std::uint32_t vendor_err) noexcept {
+    return (vendor_err & 0xffff'0000) == srq_channel_failed_tag;
+}
 // The channel's errno of a made-up channel_failed_vendor_err, or 0.
 inline constexpr int channel_failed_errno(std::uint32_t vendor_err) noexcept {
     const std::uint32_t tag = vendor_err & 0xffff'0000;

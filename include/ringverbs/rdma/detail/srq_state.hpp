@@ -98,6 +98,21 @@ struct srq_state {
     // those QPs' requests, polls the receive CQs and ends the receives still owed.
     void mark_cut_off(int err) noexcept;
     void finish_cut_off() noexcept;
+    // What a lost device (lose_srq) and a cut off share: the low_water() waits end with `err`;
+    // the QPs on the SRQ end first (`end_qp`: a reset, nothing of theirs completes after it),
+    // then what their receive CQs still hold is polled, then the receives still owed end made
+    // up with `vendor_err`: each exactly once.
+    template <typename EndQp>
+    void end_everything(int err, std::uint32_t vendor_err, EndQp end_qp) noexcept {
+        while (waiter* w = low_water_waiters.pop_front())
+            w->fulfil(err);
+        for (auto& c : recv_cqs) {
+            for (qp_state* q : c->qps)
+                if (q->srq.get() == this) end_qp(*q);
+            c->channel->drain_cq(*c);
+        }
+        end_owed(vendor_err);
+    }
 };
 
 } // namespace ringverbs::detail
