@@ -1,8 +1,10 @@
+#include "fault_injection.hpp"
 #include "rdma_fixture.hpp"
 
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/completion_error.hpp>
+#include <ringverbs/rdma/detail/device_loss.hpp>
 #include <ringverbs/rdma/device_events.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
@@ -526,5 +528,43 @@ TEST_CASE("srq: low_water waiters with different n each resume only once fewer t
         // Counted at the post (as above): n is crossed by the (slots - n + 1)-th receive taken.
         CHECK(two.sent_then >= int{slots} - 2 + 1);
         CHECK(six.sent_then >= int{slots} - 6 + 1);
+    }
+}
+
+TEST_CASE("srq: when its device is lost, an owed receive ends with ENODEV, once, and later "
+          "posts are refused") {
+    device dev;
+    io_context io;
+    channel ch(io, dev.ctx);
+    cq c(ch);
+    srq shared(io, dev.pd);
+    qp on_srq(dev.pd, c, c, {}, qp_options{.shared_receive_queue = &shared});
+    region buf(dev.pd, 2 * message_size);
+    const watchdog guard(60s, "an srq receive owed when its device is lost");
+    int resumed = 0, error = 0;
+    std::string what;
+    auto owed = [&]() -> task<void> {
+        try {
+            (void)co_await shared.recv(buf.local(0, message_size)); // nobody sends
+        } catch (const std::system_error& e) {
+            error = e.code().value();
+            what = e.what();
+        }
+        ++resumed;
+    };
+    auto lose = [&]() -> task<void> {
+        co_await io.schedule(); // once the receive waits
+        ringverbs::detail::device_lost(dev.ctx.native(), "the test says so");
+    };
+    io.run(when_all(owed(), lose()));
+    MESSAGE(what);
+    CHECK(resumed == 1);
+    CHECK(error == ENODEV);
+    CHECK(what.find("the RDMA device is gone") != std::string::npos);
+    try {
+        shared.post_recv(buf.local(message_size, message_size), 1);
+        FAIL_CHECK("a post after the loss was not refused");
+    } catch (const std::system_error& e) {
+        CHECK(e.code().value() == ENODEV);
     }
 }
