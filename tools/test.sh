@@ -99,7 +99,7 @@ run_suite() {
 # The closing lines: per suite run, then "tests: N passed, N failed, N skipped".
 summarize() {
 python3 - "$logs" <<'PY' || status=1
-import json, os, sys
+import json, os, re, sys
 logs = sys.argv[1]
 counts = {"passed": 0, "failed": 0, "skipped": 0}
 failures = []
@@ -114,7 +114,8 @@ for name in sorted(os.listdir(logs)):
             key = "passed" if res in ("OK", "EXPECTEDFAIL") else "skipped" if res == "SKIP" else "failed"
             per[key] += 1
             if key == "failed":
-                failures.append((name[:-5], r.get("name", "?"), res, r.get("stdout") or ""))
+                failures.append((name[:-5], r.get("name", "?"), res,
+                                 (r.get("stdout") or "") + (r.get("stderr") or "")))
     print(f"  {name[:-5]:<12} {per['passed']} passed, {per['failed']} failed, {per['skipped']} skipped")
     for k in counts:
         counts[k] += per[k]
@@ -127,7 +128,16 @@ if os.path.exists(steps):
 # The failures last, with the end of their output: a CI log is often read from its tail.
 for suite, test, res, out in failures:
     print(f"\n--- FAILED {suite} / {test} ({res}); the last lines of its output:")
-    for l in out.rstrip().splitlines()[-25:]:
+    lines = out.rstrip().splitlines()
+    # Why a test died is often a stderr line (unbuffered) printed above the buffered report
+    # that ends the output: a watchdog, std::terminate, a sanitizer, an assertion.
+    why = re.compile(r"watchdog:|terminate called|Sanitizer|runtime error:|Assertion|Aborted")
+    early = [l for l in lines[:-25] if why.search(l)]
+    if early:
+        print("    (earlier lines that may say why:)")
+        for l in early[-10:]:
+            print("    " + l[:300])
+    for l in lines[-25:]:
         print("    " + l[:300])
 if failures:
     print()
