@@ -15,11 +15,17 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <mutex>
 #include <span>
 #include <stop_token>
+#include <string>
+#include <string_view>
 #include <thread>
+
+#include <unistd.h>
 
 namespace rt {
 
@@ -266,10 +272,35 @@ class watchdog {
               if (st.stop_requested()) return;
               std::fprintf(stderr, "watchdog: '%s' did not finish within %lld s\n", what,
                            static_cast<long long>(limit.count()));
+              where_each_thread_waits();
               std::abort();
           }) {}
 
   private:
+    // Before the abort, where it hangs: each thread's system call and kernel stack (readable
+    // as root, as in the VM), and its user stack when gdb is installed.
+    static void where_each_thread_waits() noexcept {
+        const std::string self = std::to_string(::getpid());
+        std::error_code ec;
+        for (const auto& t : std::filesystem::directory_iterator("/proc/self/task", ec)) {
+            for (const char* file : {"comm", "status", "wchan", "syscall", "stack"}) {
+                std::ifstream in(t.path() / file);
+                std::string text((std::istreambuf_iterator<char>(in)),
+                                 std::istreambuf_iterator<char>());
+                if (std::string_view(file) == "status") // its state line only
+                    text = text.substr(0, text.find("\nTgid"));
+                std::fprintf(stderr, "watchdog: task %s %s: %s\n", t.path().filename().c_str(),
+                             file, text.c_str());
+            }
+        }
+        if (::access("/usr/bin/gdb", X_OK) == 0) {
+            const std::string cmd =
+                "/usr/bin/gdb -q -p " + self + " -batch -ex 'thread apply all bt' </dev/null 1>&2";
+            [[maybe_unused]] const int rc = std::system(cmd.c_str());
+        }
+        std::fflush(stderr);
+    }
+
     std::jthread thread_;
 };
 
