@@ -72,7 +72,7 @@ rdma_cm_id* expect(rdma_event_channel* ch, rdma_cm_event_type want, const char* 
 
 namespace {
 
-pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b);
+pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b, bool& qp_tied);
 
 } // namespace
 
@@ -89,15 +89,20 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
     // rdma_cm picks ports from its own port space, which iWARP then binds in the kernel's TCP
     // space: a port still held there (a connection of an earlier pair closing) refuses the
     // connect at once (ECONNREFUSED: the listener's port; EADDRNOTAVAIL or EADDRINUSE: the
-    // connecting side's). Other ports then do; a few tries, said aloud.
+    // connecting side's), or resets it (ECONNRESET). Other ports then do; a few tries, said
+    // aloud. Only a connect refused at once is tried again: siw had not tied QP a to that
+    // attempt yet. One refused later (a reject after rdma_connect returned 0) has: siw's close
+    // of the attempt moves QP a to ERROR, which it never leaves (siw_qp_modify has no way out
+    // of ERROR), possibly after a new attempt connected it. That one is thrown.
     for (int attempt = 1;; ++attempt) {
+        bool qp_tied = false;
         try {
-            return connect_iwarp(a, b);
+            return connect_iwarp(a, b, qp_tied);
         } catch (const std::system_error& e) {
             const int err = e.code().value();
-            const bool port_taken =
-                err == ECONNREFUSED || err == EADDRNOTAVAIL || err == EADDRINUSE;
-            if (!port_taken || attempt == 5) throw;
+            const bool port_taken = err == ECONNREFUSED || err == EADDRNOTAVAIL ||
+                                    err == EADDRINUSE || err == ECONNRESET;
+            if (!port_taken || qp_tied || attempt == 5) throw;
             std::fprintf(stderr, "connect_pair: %s; trying another port (%d of 5)\n", e.what(),
                          attempt + 1);
         }
@@ -106,7 +111,8 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
 
 namespace {
 
-pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b) {
+// `qp_tied`: set once rdma_connect has given QP a to the attempt.
+pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b, bool& qp_tied) {
     const rdma_test_device& dev = rdma_device();
 
     const char* addr = std::getenv("RINGVERBS_ADDR");
@@ -146,6 +152,7 @@ pair_link connect_iwarp(verbs::queue_pair& a, verbs::queue_pair& b) {
     param.initiator_depth = static_cast<std::uint8_t>(std::clamp(attr.max_qp_init_rd_atom, 0, 16));
     param.qp_num = a.qp_num();
     if (rdma_connect(s.connecting, &param) != 0) fail(errno, "rdma_connect");
+    qp_tied = true;
     s.accepted = expect(s.channel, RDMA_CM_EVENT_CONNECT_REQUEST, "rdma_connect");
     param.qp_num = b.qp_num();
     if (rdma_accept(s.accepted, &param) != 0) fail(errno, "rdma_accept");
