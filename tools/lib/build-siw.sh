@@ -7,7 +7,8 @@
 # come from Debian's linux-source-6.1 (only that folder is extracted from its tarball), the build
 # uses that exact kernel's linux-headers-KVER; both are installed through install-deps.sh (as
 # root; otherwise it names the command). Writes OUTDIR/siw.ko and OUTDIR/ready (what it was built
-# from), replacing OUTDIR only when the build succeeded. Takes a few seconds, plus a minute to
+# from, with the patches of tools/lib/siw-patches applied: siw-patches.sh), replacing OUTDIR only
+# when the build succeeded. Takes a few seconds, plus a minute to
 # read the 140 MB source tarball.
 #
 # Exit status: 0 built; 77 when it cannot be done here (not root and packages missing, or a
@@ -30,7 +31,7 @@ fi
 headers=/usr/src/linux-headers-$kver
 tarball=/usr/src/linux-source-$series.tar.xz
 # make: the kernel's build; linux-headers-KVER brings linux-kbuild-6.1 and gcc-12.
-if ! "$here/install-deps.sh" "linux-source-$series" "linux-headers-$kver" make; then
+if ! "$here/install-deps.sh" "linux-source-$series" "linux-headers-$kver" make patch; then
   say "cannot build siw.ko for $kver without those packages"
   exit 77
 fi
@@ -52,6 +53,13 @@ mkdir "$tmp/src"
 tar -xaf "$tarball" -C "$tmp/src" --strip-components=5 --wildcards \
   "linux-source-$series/drivers/infiniband/sw/siw/*"
 [ -f "$tmp/src/Makefile" ] || { say "no drivers/infiniband/sw/siw in $tarball"; exit 1; }
+# Fixes of siw's own bugs that the tests met (each patch says what and how it was seen).
+for p in "$here"/siw-patches/*.patch; do
+  if ! patch -d "$tmp/src" -p1 --forward --silent <"$p"; then
+    say "$(basename "$p") does not apply to linux-source-$series $src_version"
+    exit 1
+  fi
+done
 # The driver's own Makefile lists the objects (obj-$(CONFIG_RDMA_SIW) += siw.o, siw-y := ...).
 if ! make -C "$headers" M="$tmp/src" CONFIG_RDMA_SIW=m -j "$(nproc)" modules >"$tmp/log" 2>&1; then
   sed 's/^/  make: /' "$tmp/log" >&2
@@ -68,7 +76,8 @@ mkdir "$tmp/out"
 # the guest's initramfs reads under emulation at every boot.
 strip --strip-debug -o "$tmp/out/siw.ko" "$tmp/src/siw.ko"
 cp "$tmp/log" "$tmp/out/build.log"
-printf 'kver=%s\nsource=linux-source-%s %s\nheaders=linux-headers-%s %s\nvermagic=%s\n' \
-  "$kver" "$series" "$src_version" "$kver" "$hdr_version" "$vermagic" >"$tmp/out/ready"
+printf 'kver=%s\nsource=linux-source-%s %s\nheaders=linux-headers-%s %s\nvermagic=%s\npatches=%s\n' \
+  "$kver" "$series" "$src_version" "$kver" "$hdr_version" "$vermagic" \
+  "$("$here/siw-patches.sh")" >"$tmp/out/ready"
 rm -rf "$out"
 mv "$tmp/out" "$out"
