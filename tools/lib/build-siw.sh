@@ -54,8 +54,10 @@ tar -xaf "$tarball" -C "$tmp/src" --strip-components=5 --wildcards \
   "linux-source-$series/drivers/infiniband/sw/siw/*"
 [ -f "$tmp/src/Makefile" ] || { say "no drivers/infiniband/sw/siw in $tarball"; exit 1; }
 # Fixes of siw's own bugs that the tests met (each patch says what and how it was seen).
+shopt -s nullglob
 for p in "$here"/siw-patches/*.patch; do
-  if ! patch -d "$tmp/src" -p1 --forward --silent <"$p"; then
+  # No fuzz: a changed siw_cm.c must not take a hunk at the wrong place.
+  if ! patch -d "$tmp/src" -p1 --forward --fuzz=0 --silent <"$p"; then
     say "$(basename "$p") does not apply to linux-source-$series $src_version"
     exit 1
   fi

@@ -4,6 +4,7 @@
 # again when it differs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/siw-patches"
+shopt -s nullglob
 for p in *.patch; do
   printf '%s\n' "$p"
   cat "$p"
