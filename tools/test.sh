@@ -131,7 +131,7 @@ for suite, test, res, out in failures:
     lines = out.rstrip().splitlines()
     # Why a test died is often a stderr line (unbuffered) printed above the buffered report
     # that ends the output: a watchdog, std::terminate, a sanitizer, an assertion.
-    why = re.compile(r"watchdog:|terminate called|Sanitizer|runtime error:|Assertion|Aborted")
+    why = re.compile(r"watchdog: '|terminate called|Sanitizer|runtime error:|Assertion|Aborted")
     early = [l for l in lines[:-25] if why.search(l)]
     if early:
         print("    (earlier lines that may say why:)")

@@ -294,8 +294,9 @@ class watchdog {
             }
         }
         if (::access("/usr/bin/gdb", X_OK) == 0) {
-            const std::string cmd =
-                "/usr/bin/gdb -q -p " + self + " -batch -ex 'thread apply all bt' </dev/null 1>&2";
+            // Bounded: a gdb that cannot attach must not keep the abort from coming.
+            const std::string cmd = "timeout -s KILL 60 /usr/bin/gdb -q -p " + self +
+                                    " -batch -ex 'thread apply all bt' </dev/null 1>&2";
             [[maybe_unused]] const int rc = std::system(cmd.c_str());
         }
         std::fflush(stderr);

@@ -89,19 +89,19 @@ pair_link connect_pair(verbs::queue_pair& a, verbs::queue_pair& b, verbs::access
     // rdma_cm picks ports from its own port space, which iWARP then binds in the kernel's TCP
     // space: a port still held there (a connection of an earlier pair closing) refuses the
     // connect at once (ECONNREFUSED: the listener's port; EADDRNOTAVAIL or EADDRINUSE: the
-    // connecting side's), or resets it (ECONNRESET). Other ports then do; a few tries, said
-    // aloud. Only a connect refused at once is tried again: siw had not tied QP a to that
-    // attempt yet. One refused later (a reject after rdma_connect returned 0) has: siw's close
-    // of the attempt moves QP a to ERROR, which it never leaves (siw_qp_modify has no way out
-    // of ERROR), possibly after a new attempt connected it. That one is thrown.
+    // connecting side's). Other ports then do; a few tries, said aloud. Those come from the
+    // TCP connect, before siw ties QP a to the attempt. A reset (ECONNRESET, at once: siw had
+    // tied QP a and sent the MPA request, and the reset suspended QP a's sending for good; or
+    // a reject after rdma_connect returned 0: closing the attempt moves QP a to ERROR, which
+    // siw never leaves) is thrown: a retry would connect a QP whose sends never complete.
     for (int attempt = 1;; ++attempt) {
         bool qp_tied = false;
         try {
             return connect_iwarp(a, b, qp_tied);
         } catch (const std::system_error& e) {
             const int err = e.code().value();
-            const bool port_taken = err == ECONNREFUSED || err == EADDRNOTAVAIL ||
-                                    err == EADDRINUSE || err == ECONNRESET;
+            const bool port_taken =
+                err == ECONNREFUSED || err == EADDRNOTAVAIL || err == EADDRINUSE;
             if (!port_taken || qp_tied || attempt == 5) throw;
             std::fprintf(stderr, "connect_pair: %s; trying another port (%d of 5)\n", e.what(),
                          attempt + 1);
