@@ -2,7 +2,7 @@
 #include <ringverbs/rdma/channel.hpp>
 
 #include <ringverbs/rdma/detail/srq_state.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -15,6 +15,8 @@
 namespace ringverbs {
 
 namespace detail {
+
+using verbs::detail::hooks;
 
 event_reader::event_reader(channel_state& ch)
     : owner(&ch), ctx(ch.ctx), keep_open(ch.channel.handle()) {

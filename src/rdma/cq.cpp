@@ -3,7 +3,7 @@
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/srq_state.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -12,6 +12,8 @@
 namespace ringverbs {
 
 namespace detail {
+
+using verbs::detail::hooks;
 
 namespace {
 

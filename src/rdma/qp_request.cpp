@@ -5,8 +5,8 @@
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/outcome.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/rdma/srq.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -18,45 +18,10 @@
 
 namespace ringverbs {
 
-using detail::hooks;
 using detail::never_flushed_vendor_err;
 using detail::qp_state;
 using detail::wr_id_for;
-
-qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
-                     wait_options options) noexcept
-    : qp_(qp), ctx_(qp->ctx), kind_(k), name_(name), options_(std::move(options)) {
-    on_wc = &qp::request::completed;
-    sge_.addr = reinterpret_cast<std::uintptr_t>(r.local.addr);
-    sge_.length = r.local.length;
-    sge_.lkey = r.local.lkey;
-    each_ = r.each;
-    signaled_ = r.signaled || k == kind::recv;
-    if (k == kind::recv) {
-        recv_chain_ = r.recv_chain;
-        recv_wr_.sg_list = &sge_;
-        recv_wr_.num_sge = 1;
-        return;
-    }
-    send_chain_ = r.send_chain;
-    send_wr_.opcode = r.opcode;
-    send_wr_.sg_list = &sge_;
-    send_wr_.num_sge = r.local.length > 0 || r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
-                               r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD
-                           ? 1
-                           : 0;
-    send_wr_.send_flags = r.send_flags | IBV_SEND_SIGNALED;
-    if (r.imm) send_wr_.imm_data = htobe32(*r.imm);
-    if (r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
-        send_wr_.wr.atomic.remote_addr = r.remote.addr;
-        send_wr_.wr.atomic.rkey = r.remote.rkey;
-        send_wr_.wr.atomic.compare_add = r.compare_add;
-        send_wr_.wr.atomic.swap = r.swap;
-    } else {
-        send_wr_.wr.rdma.remote_addr = r.remote.addr;
-        send_wr_.wr.rdma.rkey = r.remote.rkey;
-    }
-}
+using verbs::detail::hooks;
 
 qp::request::~request() {
     if (stage_ == stage::posted || stage_ == stage::abandoned) {
@@ -190,7 +155,14 @@ void qp::request::abandon() noexcept {
 void qp::request::completed(wr_op* op, const ibv_wc& wc, bool last) noexcept {
     auto* self = static_cast<qp::request*>(op);
     if (self->stage_ == stage::abandoned) {
+        // Only counted, but a later co_await of it must not read as a success: its first
+        // failure (the reset's flush) is its outcome.
+        if (wc.status != IBV_WC_SUCCESS && self->outcome_ == outcome::ok) {
+            self->first_error_ = wc;
+            self->outcome_ = outcome::failed;
+        }
         if (last) {
+            self->result_ = wc;
             self->stage_ = stage::done;
             self->qp_->unlink(self);
         }

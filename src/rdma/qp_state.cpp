@@ -7,8 +7,8 @@
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/outcome.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/rdma/srq.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +21,8 @@
 namespace ringverbs {
 
 namespace detail {
+
+using verbs::detail::hooks;
 
 qp_state::qp_state(const verbs::protection_domain& pd, std::shared_ptr<cq_state> scq,
                    std::shared_ptr<cq_state> rcq, std::shared_ptr<srq_state> shared,

@@ -3,7 +3,7 @@
 
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/detail/outcome.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
 #include <string>
@@ -12,6 +12,8 @@
 namespace ringverbs {
 
 namespace detail {
+
+using verbs::detail::hooks;
 
 void recv_ring_state::post(std::uint32_t i) {
     slot& s = slots[i];

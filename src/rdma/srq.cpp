@@ -5,8 +5,8 @@
 #include <ringverbs/rdma/completion_error.hpp>
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/outcome.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/detail/mmap_keys.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
 #include <algorithm>
@@ -198,7 +198,7 @@ void srq::post_recv(local_buffer into, std::uint64_t wr_id) {
     if (state_->lost || state_->channel_failed != 0) [[unlikely]]
         state_->refuse_post();
     ibv_recv_wr* bad = nullptr;
-    if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr, &bad); rc != 0)
+    if (const int rc = verbs::detail::hooks().post_srq_recv(state_->srq.get(), &wr, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv");
     ++state_->posted;
 }
@@ -220,7 +220,7 @@ void srq::request::await_suspend(std::coroutine_handle<> h) {
     if (state_->lost || state_->channel_failed != 0) [[unlikely]]
         state_->refuse_post();
     ibv_recv_wr* bad = nullptr;
-    if (const int rc = detail::hooks().post_srq_recv(state_->srq.get(), &wr_, &bad); rc != 0)
+    if (const int rc = verbs::detail::hooks().post_srq_recv(state_->srq.get(), &wr_, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv"); // nothing posted
     state_->link(this);
     // No deadline, no stop: a posted SRQ receive cannot be recalled (see srq).

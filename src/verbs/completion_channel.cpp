@@ -1,7 +1,7 @@
 #include <ringverbs/verbs/completion_channel.hpp>
 
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/verb_error.hpp>
 
 #include <fcntl.h>
@@ -38,7 +38,7 @@ std::optional<cq_event> completion_channel::get_event() {
     void* cq_context = nullptr;
     errno = 0;
     // Through the runtime's hook table (a test may put a fault injector there).
-    if (ringverbs::detail::hooks().get_cq_event(ch_.get(), &cq, &cq_context) != 0) {
+    if (ringverbs::verbs::detail::hooks().get_cq_event(ch_.get(), &cq, &cq_context) != 0) {
         const int err = errno;
         if (err == EAGAIN || err == EWOULDBLOCK) return std::nullopt;
         throw_system_error(errno_or_eio(err), "ibv_get_cq_event");

@@ -1,9 +1,9 @@
 // chaos_hooks: seeded random faults between the runtime and the real device (through
-// detail::verbs_hooks), each fair: it makes the device look like one that is slow, loses
+// verbs::detail::verbs_hooks), each fair: it makes the device look like one that is slow, loses
 // flushes or is interrupted, never like one that breaks the verbs contract. Loop thread only.
 #pragma once
 
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <infiniband/verbs.h>
 
@@ -40,7 +40,7 @@ class chaos_hooks {
         hidden().clear();
         stash().clear();
         reset_qps().clear();
-        auto& h = ringverbs::detail::hooks();
+        auto& h = ringverbs::verbs::detail::hooks();
         h.modify_qp = &modify_qp;
         h.poll_cq = &poll;
         h.req_notify_cq = &notify;
@@ -50,7 +50,7 @@ class chaos_hooks {
         h.post_recv = &post_recv;
     }
     ~chaos_hooks() {
-        ringverbs::detail::hooks() = ringverbs::detail::real_verbs();
+        ringverbs::verbs::detail::hooks() = ringverbs::verbs::detail::real_verbs();
         stash().clear();
     }
     // Completions a fault still holds back (0 once the runtime polled them all).
@@ -116,7 +116,9 @@ class chaos_hooks {
     static bool chance(double p) {
         return enabled() && std::uniform_real_distribution<double>(0, 1)(rng()) < p;
     }
-    static const ringverbs::detail::verbs_hooks& real() { return ringverbs::detail::real_verbs(); }
+    static const ringverbs::verbs::detail::verbs_hooks& real() {
+        return ringverbs::verbs::detail::real_verbs();
+    }
 
     // Takes what the CQ holds now into its stash: the next poll hands it out first.
     static int take_into_stash(ibv_cq* cq) {

@@ -1,10 +1,10 @@
-// Faults between the runtime and the real device, through detail::verbs_hooks: every hook
+// Faults between the runtime and the real device, through verbs::detail::verbs_hooks: every hook
 // calls the real verb first and then hides or fails part of what it did. Never a mock.
 #pragma once
 
 #include <ringverbs/engine/detail/uring_hooks.hpp>
 #include <ringverbs/engine/io_context.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <infiniband/verbs.h>
 
@@ -37,10 +37,10 @@ class hide_flushes {
     explicit hide_flushes(std::uint32_t qp_num = 0) noexcept {
         target_ = qp_num;
         hidden_ = 0;
-        ringverbs::detail::hooks().poll_cq = &poll;
+        ringverbs::verbs::detail::hooks().poll_cq = &poll;
     }
     ~hide_flushes() {
-        ringverbs::detail::hooks().poll_cq = ringverbs::detail::real_verbs().poll_cq;
+        ringverbs::verbs::detail::hooks().poll_cq = ringverbs::verbs::detail::real_verbs().poll_cq;
     }
     hide_flushes(const hide_flushes&) = delete;
     hide_flushes& operator=(const hide_flushes&) = delete;
@@ -57,7 +57,7 @@ class hide_flushes {
         int got = 0;
         for (;;) {
             const int want = n - got;
-            const int r = ringverbs::detail::real_verbs().poll_cq(cq, want, wc + got);
+            const int r = ringverbs::verbs::detail::real_verbs().poll_cq(cq, want, wc + got);
             if (r < 0) return got > 0 ? got : r;
             int kept = got;
             for (int i = got; i < got + r; ++i) {
@@ -80,10 +80,11 @@ class fail_recv_chain_at {
   public:
     explicit fail_recv_chain_at(int posted) noexcept {
         posted_ = posted;
-        ringverbs::detail::hooks().post_recv = &post;
+        ringverbs::verbs::detail::hooks().post_recv = &post;
     }
     ~fail_recv_chain_at() {
-        ringverbs::detail::hooks().post_recv = ringverbs::detail::real_verbs().post_recv;
+        ringverbs::verbs::detail::hooks().post_recv =
+            ringverbs::verbs::detail::real_verbs().post_recv;
     }
     fail_recv_chain_at(const fail_recv_chain_at&) = delete;
     fail_recv_chain_at& operator=(const fail_recv_chain_at&) = delete;
@@ -94,10 +95,10 @@ class fail_recv_chain_at {
         for (int i = 1; i < posted_ && cut; ++i)
             cut = cut->next;
         if (posted_ <= 0 || cut == nullptr || cut->next == nullptr)
-            return ringverbs::detail::real_verbs().post_recv(qp, wr, bad);
+            return ringverbs::verbs::detail::real_verbs().post_recv(qp, wr, bad);
         ibv_recv_wr* rest = cut->next;
         cut->next = nullptr;
-        const int rc = ringverbs::detail::real_verbs().post_recv(qp, wr, bad);
+        const int rc = ringverbs::verbs::detail::real_verbs().post_recv(qp, wr, bad);
         cut->next = rest;
         if (rc != 0) return rc;
         *bad = rest;
@@ -115,10 +116,10 @@ class drop_late_completions {
         count_ = 0;
         n_ = std::min<std::size_t>(wr_ids.size(), std::size(ids_));
         std::copy_n(wr_ids.begin(), n_, ids_);
-        saved_ = ringverbs::detail::hooks().poll_cq;
-        ringverbs::detail::hooks().poll_cq = &poll;
+        saved_ = ringverbs::verbs::detail::hooks().poll_cq;
+        ringverbs::verbs::detail::hooks().poll_cq = &poll;
     }
-    ~drop_late_completions() { ringverbs::detail::hooks().poll_cq = saved_; }
+    ~drop_late_completions() { ringverbs::verbs::detail::hooks().poll_cq = saved_; }
     drop_late_completions(const drop_late_completions&) = delete;
     drop_late_completions& operator=(const drop_late_completions&) = delete;
 
@@ -162,15 +163,17 @@ class interrupt_events {
         notify_left_ = count;
         interrupted_ = 0;
         refused_ = 0;
-        ringverbs::detail::hooks().get_cq_event = &get_event;
-        ringverbs::detail::hooks().start_event_read = &start_read;
-        ringverbs::detail::hooks().req_notify_cq = &notify;
+        ringverbs::verbs::detail::hooks().get_cq_event = &get_event;
+        ringverbs::verbs::detail::hooks().start_event_read = &start_read;
+        ringverbs::verbs::detail::hooks().req_notify_cq = &notify;
     }
     ~interrupt_events() {
-        ringverbs::detail::hooks().get_cq_event = ringverbs::detail::real_verbs().get_cq_event;
-        ringverbs::detail::hooks().start_event_read =
-            ringverbs::detail::real_verbs().start_event_read;
-        ringverbs::detail::hooks().req_notify_cq = ringverbs::detail::real_verbs().req_notify_cq;
+        ringverbs::verbs::detail::hooks().get_cq_event =
+            ringverbs::verbs::detail::real_verbs().get_cq_event;
+        ringverbs::verbs::detail::hooks().start_event_read =
+            ringverbs::verbs::detail::real_verbs().start_event_read;
+        ringverbs::verbs::detail::hooks().req_notify_cq =
+            ringverbs::verbs::detail::real_verbs().req_notify_cq;
     }
     interrupt_events(const interrupt_events&) = delete;
     interrupt_events& operator=(const interrupt_events&) = delete;
@@ -186,7 +189,7 @@ class interrupt_events {
             errno = EINTR;
             return -1;
         }
-        return ringverbs::detail::real_verbs().get_cq_event(ch, cq, ctx);
+        return ringverbs::verbs::detail::real_verbs().get_cq_event(ch, cq, ctx);
     }
     static int start_read(ibv_comp_channel* ch) noexcept {
         if (get_left_ > 0) {
@@ -194,7 +197,7 @@ class interrupt_events {
             ++interrupted_;
             return -EINTR;
         }
-        return ringverbs::detail::real_verbs().start_event_read(ch);
+        return ringverbs::verbs::detail::real_verbs().start_event_read(ch);
     }
     static int notify(ibv_cq* cq, int solicited_only) noexcept {
         if (notify_left_ > 0) {
@@ -202,7 +205,7 @@ class interrupt_events {
             ++refused_;
             return EAGAIN;
         }
-        return ringverbs::detail::real_verbs().req_notify_cq(cq, solicited_only);
+        return ringverbs::verbs::detail::real_verbs().req_notify_cq(cq, solicited_only);
     }
     static inline int get_left_ = 0;
     static inline int notify_left_ = 0;
@@ -219,14 +222,14 @@ class fail_ring_reads {
     explicit fail_ring_reads(int err) noexcept {
         err_ = err;
         calls_ = 0;
-        ringverbs::detail::hooks().start_event_read = [](ibv_comp_channel*) noexcept {
+        ringverbs::verbs::detail::hooks().start_event_read = [](ibv_comp_channel*) noexcept {
             ++calls_;
             return -err_;
         };
     }
     ~fail_ring_reads() {
-        ringverbs::detail::hooks().start_event_read =
-            ringverbs::detail::real_verbs().start_event_read;
+        ringverbs::verbs::detail::hooks().start_event_read =
+            ringverbs::verbs::detail::real_verbs().start_event_read;
     }
     fail_ring_reads(const fail_ring_reads&) = delete;
     fail_ring_reads& operator=(const fail_ring_reads&) = delete;

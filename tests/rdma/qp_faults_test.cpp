@@ -342,6 +342,42 @@ TEST_CASE("a receive chain that fails part-way: what it posted completes before 
     CHECK(late.count() == 0);
 }
 
+TEST_CASE("a chain posted with post() that fails part-way, awaited after: throws, never a "
+          "made-up success") {
+    watchdog wd(60s, "chain failing part-way, awaited after");
+    device dev;
+    io_context io;
+    pair p(dev, io, qp_options{.flush_timeout = 30s});
+    region in(dev.pd, 3 * 64);
+    recv_chain<3> chain(in);
+    ibv_recv_wr* const wr = chain.wr;
+    std::string post_error, awaited;
+    auto t = [&]() -> task<void> {
+        auto r = p.b->post_recv(wr[0]);
+        {
+            fail_recv_chain_at fail(2); // two receives posted, the third fails: the QP is reset
+            try {
+                r.post();
+            } catch (const std::system_error& e) {
+                post_error = e.what();
+            }
+        }
+        try {
+            (void)co_await r;
+            awaited = "a result";
+        } catch (const std::exception& e) {
+            awaited = e.what();
+        }
+    };
+    io.run(t());
+    CHECK(post_error.find("ibv_post_recv") != std::string::npos);
+    // Its receives ended with the reset's flush: the await says so (before: a zeroed ibv_wc,
+    // whose status reads as IBV_WC_SUCCESS).
+    CHECK(awaited != "a result");
+    CHECK(awaited.find("ibv_post_recv") != std::string::npos);
+    CHECK(p.b->pending() == 0);
+}
+
 TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommit is allowed") {
     device dev;
     io_context io;

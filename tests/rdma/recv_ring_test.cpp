@@ -4,9 +4,9 @@
 
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
 #include <ringverbs/rdma/recv_ring.hpp>
 #include <ringverbs/rdma/srq.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <doctest/doctest.h>
 
@@ -250,12 +250,12 @@ namespace {
 // A device that misreports: every successful receive completion claims 16 KiB more than it
 // carried. A fault between the runtime and the real device (the completion itself is real).
 struct inflate_receives {
-    inflate_receives() noexcept { detail::hooks().poll_cq = &poll; }
-    ~inflate_receives() { detail::hooks().poll_cq = detail::real_verbs().poll_cq; }
+    inflate_receives() noexcept { verbs::detail::hooks().poll_cq = &poll; }
+    ~inflate_receives() { verbs::detail::hooks().poll_cq = verbs::detail::real_verbs().poll_cq; }
     inflate_receives(const inflate_receives&) = delete;
     inflate_receives& operator=(const inflate_receives&) = delete;
     static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
-        const int got = detail::real_verbs().poll_cq(cq, n, wc);
+        const int got = verbs::detail::real_verbs().poll_cq(cq, n, wc);
         for (int i = 0; i < got; ++i)
             if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV)
                 wc[i].byte_len += 16384;

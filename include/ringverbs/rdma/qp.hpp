@@ -283,16 +283,18 @@ class qp::request : detail::wr_op, detail::wait_core {
     detail::qp_state* qp_;
     io_context* ctx_;
     kind kind_;
-    ibv_send_wr send_wr_{};
-    ibv_recv_wr recv_wr_{};
+    union { // by kind_; the constructor zeroes the one in use
+        ibv_send_wr send_wr_;
+        ibv_recv_wr recv_wr_;
+    };
     ibv_sge sge_{};
     ibv_send_wr* send_chain_ = nullptr;
     ibv_recv_wr* recv_chain_ = nullptr;
     std::span<ibv_wc> each_;
     const char* name_;
     wait_options options_;
-    ibv_wc result_{};
-    ibv_wc first_error_{};
+    ibv_wc result_;      // written before the request is done: its last completion, or made up
+    ibv_wc first_error_; // written when outcome_ leaves ok
     std::size_t seen_ = 0;
     stage stage_ = stage::built;
     outcome outcome_ = outcome::ok;

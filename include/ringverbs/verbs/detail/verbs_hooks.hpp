@@ -1,12 +1,13 @@
-// verbs_hooks: the verbs calls of the completion path, made through a table of function
-// pointers so that a test can put a fault injector between the runtime and the real device.
+// verbs_hooks: the verbs calls of the completion path (completion_channel in this layer; the
+// rdma layer's channel, cq, qp, srq and recv_ring), made through a table of function pointers
+// so that a test can put a fault injector between the runtime and the real device.
 #pragma once
 
 #include <ringverbs/config.hpp>
 
 #include <infiniband/verbs.h>
 
-namespace ringverbs::detail {
+namespace ringverbs::verbs::detail {
 
 // Every entry defaults to the real verb. A test replaces entries with functions that call the
 // saved originals and then hide, delay or fail what the device did (a completion that never
@@ -34,4 +35,4 @@ verbs_hooks& hooks() noexcept;
 // The real verbs, to restore the table or to call from a hook.
 const verbs_hooks& real_verbs() noexcept;
 
-} // namespace ringverbs::detail
+} // namespace ringverbs::verbs::detail

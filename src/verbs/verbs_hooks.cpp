@@ -1,6 +1,6 @@
-#include <ringverbs/rdma/detail/verbs_hooks.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
-namespace ringverbs::detail {
+namespace ringverbs::verbs::detail {
 
 namespace {
 // ibv_poll_cq, ibv_post_* and ibv_req_notify_cq are inline functions of verbs.h: each entry
@@ -33,4 +33,4 @@ const verbs_hooks& real_verbs() noexcept {
     return real;
 }
 
-} // namespace ringverbs::detail
+} // namespace ringverbs::verbs::detail
