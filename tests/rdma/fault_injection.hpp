@@ -279,9 +279,8 @@ class watchdog {
               std::abort();
           }) {}
 
-  private:
     // Before the abort, where it hangs: each thread's system call and kernel stack (readable
-    // as root, as in the VM), and its user stack when gdb is installed.
+    // as root, as in the VM), and its user stack when gdb is installed (bounded: 60 s).
     static void where_each_thread_waits() noexcept {
         const std::string self = std::to_string(::getpid());
         std::error_code ec;
@@ -305,6 +304,7 @@ class watchdog {
         std::fflush(stderr);
     }
 
+  private:
     std::jthread thread_;
 };
 

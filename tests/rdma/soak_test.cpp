@@ -10,6 +10,7 @@
 //   RINGVERBS_EVENT_READ=<path>   how both channels read their events: ring (default) or
 //                                 syscall (channel_options::read)
 #include "chaos_hooks.hpp"
+#include "fault_injection.hpp"
 #include "rdma_fixture.hpp"
 
 #include <ringverbs/engine/diagnostics.hpp>
@@ -648,10 +649,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                                  (unsigned long long)events.counters().events,
                                  (unsigned long long)hybrid.counters().arms,
                                  (unsigned long long)hybrid.counters().events, 0);
-                    // Where the loop thread is (gdb, when installed).
-                    const std::string bt = "gdb -batch -p " + std::to_string(::getpid()) +
-                                           " -ex 'thread apply all bt 30' >&2 2>/dev/null";
-                    [[maybe_unused]] int rc = std::system(bt.c_str());
+                    // Where each thread is (its kernel stack; gdb's backtraces, bounded).
+                    watchdog::where_each_thread_waits();
                     std::abort();
                 }
             }
