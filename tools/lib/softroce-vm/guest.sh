@@ -118,9 +118,20 @@ fi
 # its line for a process killed by a fault ("segfault at ... in libX.so[base+size]"), which
 # names the library and the faulting address when no core was kept.
 dmesg -C 2>/dev/null # a throwaway guest: only what the command's run logs (a count would skew on wrap)
+# Also followed into the control share as it comes: a command that hangs until the VM is
+# killed never reaches the check below; the host reads $R/kmsg then (its TIMEOUT report).
+dmesg -w >"$R/kmsg" 2>/dev/null &
+kmsg_pid=$!
 rc=0
-"${cmd[@]}" || rc=$?
+# A program, as exec ran it: a name that is also a builtin or one of this script's functions
+# (test, kill, log, fail) goes through env, which runs the program of that name.
+case $(type -t -- "${cmd[0]}") in
+  file | "") "${cmd[@]}" || rc=$? ;;
+  *) env -- "${cmd[@]}" || rc=$? ;;
+esac
+kill "$kmsg_pid" 2>/dev/null
 kmsg=$(dmesg 2>/dev/null)
+# The same pattern as softroce-vm's TIMEOUT report.
 if grep -qE 'Oops|BUG:|WARNING:|general protection|Call Trace|segfault at|traps:' <<<"$kmsg"; then
   echo "softroce-vm: the guest kernel reported a problem while the command ran (dmesg):" >&2
   head -150 <<<"$kmsg" >&2
