@@ -132,8 +132,9 @@ esac
 kill "$kmsg_pid" 2>/dev/null
 kmsg=$(dmesg 2>/dev/null)
 # The same pattern as softroce-vm's TIMEOUT report.
-if grep -qE 'Oops|BUG:|WARNING:|general protection|Call Trace|segfault at|traps:' <<<"$kmsg"; then
-  echo "softroce-vm: the guest kernel reported a problem while the command ran (dmesg):" >&2
-  head -150 <<<"$kmsg" >&2
+first=$(grep -n -m1 -E 'Oops|BUG:|WARNING:|general protection|Call Trace|segfault at|traps:' <<<"$kmsg" | cut -d: -f1)
+if [ -n "$first" ]; then
+  echo "softroce-vm: the guest kernel reported a problem while the command ran (dmesg, from a little before the first):" >&2
+  tail -n "+$((first > 10 ? first - 10 : 1))" <<<"$kmsg" | head -150 >&2
 fi
 exit "$rc"
