@@ -91,6 +91,18 @@ struct recv_chain {
     recv_chain& operator=(const recv_chain&) = delete;
 };
 
+// What the chain cases share: a pair whose b takes the chain (a 30 s flush bound, far beyond a
+// case that ends by itself) and a chain of `n` receives into a region of its own.
+template <int n>
+struct chain_case {
+    device dev;
+    io_context io;
+    pair p{dev, io, qp_options{.flush_timeout = 30s}};
+    region in{dev.pd, n * 64};
+    recv_chain<n> chain{in};
+    ibv_recv_wr* const wr = chain.wr;
+};
+
 } // namespace
 
 TEST_CASE(
@@ -277,83 +289,68 @@ TEST_CASE("destroying qps whose flushes never come does not block the loop") {
 
 TEST_CASE("a receive chain that fails part-way: only what was posted is owed, nothing waits") {
     watchdog wd(60s, "chain failing part-way");
-    device dev;
-    io_context io;
-    pair p(dev, io, qp_options{.flush_timeout = 30s});
-    region in(dev.pd, 4 * 64);
-    recv_chain<4> chain(in);
-    ibv_recv_wr* const wr = chain.wr;
+    chain_case<4> c;
     std::string what;
-    const auto polls_before = p.ch.counters().polls;
+    const auto polls_before = c.p.ch.counters().polls;
     {
         fail_recv_chain_at fail(2); // two receives posted, the third fails
         auto t = [&]() -> task<void> {
             try {
-                co_await p.b->post_recv(wr[0]);
+                co_await c.p.b->post_recv(c.wr[0]);
             } catch (const std::system_error& e) {
                 CHECK(errc_of(e) == std::errc::not_enough_memory);
                 what = e.what();
             }
         };
-        io.run(t());
+        c.io.run(t());
     }
     CHECK(what.find("ibv_post_recv") != std::string::npos);
-    CHECK(p.b->pending() == 0);
+    CHECK(c.p.b->pending() == 0);
     // Nothing is left for the bound (30 s here) or for teardown to wait for: no polling loop
     // waited for a completion of the request that was never posted, and destroying the qp
     // does not keep its state alive.
-    p.b.reset();
-    io.run();
-    CHECK(p.ch.counters().polls - polls_before < 16);
-    CHECK(io.operations_in_flight() == 1); // the channel's poll alone
+    c.p.b.reset();
+    c.io.run();
+    CHECK(c.p.ch.counters().polls - polls_before < 16);
+    CHECK(c.io.operations_in_flight() == 1); // the channel's poll alone
 }
 
 TEST_CASE("a receive chain that fails part-way: what it posted completes before its await ends, "
           "nothing after (siw ignores RESET)") {
     watchdog wd(60s, "chain flushed before its await ends");
-    device dev;
-    io_context io;
-    pair p(dev, io, qp_options{.flush_timeout = 30s});
-    region in(dev.pd, 3 * 64);
-    recv_chain<3> chain(in);
-    ibv_recv_wr* const wr = chain.wr;
+    chain_case<3> c;
     {
         fail_recv_chain_at fail(2); // two receives posted, the third fails
         auto t = [&]() -> task<void> {
             try {
-                co_await p.b->post_recv(wr[0]);
+                co_await c.p.b->post_recv(c.wr[0]);
             } catch (const std::system_error& e) {
                 CHECK(errc_of(e) == std::errc::not_enough_memory);
             }
         };
-        io.run(t());
+        c.io.run(t());
     }
-    CHECK(p.b->pending() == 0);
+    CHECK(c.p.b->pending() == 0);
     // The two receives that were posted name the await that has ended (its frame is gone):
     // whatever becomes of the QP now (disconnected, destroyed), no completion of theirs may
     // come. siw took the QP's move to RESET and did nothing: they stayed posted, and its flush
     // on the disconnect named the dead awaiter.
-    const std::uint64_t posted[] = {wr[0].wr_id, wr[1].wr_id};
+    const std::uint64_t posted[] = {c.wr[0].wr_id, c.wr[1].wr_id};
     drop_late_completions late(posted);
-    p.link.reset();
-    p.b.reset();
-    auto pause = [&]() -> task<void> { co_await sleep_for(io, 100ms); };
-    io.run(pause()); // the channel polls what the device delivers meanwhile
+    c.p.link.reset();
+    c.p.b.reset();
+    auto pause = [&]() -> task<void> { co_await sleep_for(c.io, 100ms); };
+    c.io.run(pause()); // the channel polls what the device delivers meanwhile
     CHECK(late.count() == 0);
 }
 
 TEST_CASE("a chain posted with post() that fails part-way, awaited after: throws, never a "
           "made-up success") {
     watchdog wd(60s, "chain failing part-way, awaited after");
-    device dev;
-    io_context io;
-    pair p(dev, io, qp_options{.flush_timeout = 30s});
-    region in(dev.pd, 3 * 64);
-    recv_chain<3> chain(in);
-    ibv_recv_wr* const wr = chain.wr;
+    chain_case<3> c;
     std::string post_error, awaited;
     auto t = [&]() -> task<void> {
-        auto r = p.b->post_recv(wr[0]);
+        auto r = c.p.b->post_recv(c.wr[0]);
         {
             fail_recv_chain_at fail(2); // two receives posted, the third fails: the QP is reset
             try {
@@ -369,13 +366,13 @@ TEST_CASE("a chain posted with post() that fails part-way, awaited after: throws
             awaited = e.what();
         }
     };
-    io.run(t());
+    c.io.run(t());
     CHECK(post_error.find("ibv_post_recv") != std::string::npos);
     // Its receives ended with the reset's flush: the await says so (before: a zeroed ibv_wc,
     // whose status reads as IBV_WC_SUCCESS).
     CHECK(awaited != "a result");
     CHECK(awaited.find("ibv_post_recv") != std::string::npos);
-    CHECK(p.b->pending() == 0);
+    CHECK(c.p.b->pending() == 0);
 }
 
 TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommit is allowed") {
