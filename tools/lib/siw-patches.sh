@@ -3,7 +3,7 @@
 # names and contents). build-siw.sh writes it in siw.ko's ready file; softroce-vm builds siw.ko
 # again when it differs.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/siw-patches"
+CDPATH='' cd "$(dirname "${BASH_SOURCE[0]}")/siw-patches"
 shopt -s nullglob
 for p in *.patch; do
   printf '%s\n' "$p"
