@@ -58,7 +58,7 @@ void qp::request::post() {
                                    "cq_options::solicited_only, or use busy polling");
         ibv_send_wr* bad = nullptr;
         int rc = hooks().post_send(qp_->qp.native(), head, &bad);
-        if (rc != 0) {
+        if (rc != 0 && !queued_despite(rc, bad == nullptr)) [[unlikely]] {
             // Requests before `bad` were posted and would complete against this awaiter, which
             // is about to throw: reset the QP so that none can (only what was posted is owed).
             if (head->next != nullptr && bad != head) abandon();
@@ -71,7 +71,7 @@ void qp::request::post() {
             w->wr_id = wr_id_for(this, w->next == nullptr);
         ibv_recv_wr* bad = nullptr;
         int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
-        if (rc != 0) {
+        if (rc != 0 && !queued_despite(rc, bad == nullptr)) [[unlikely]] {
             if (head->next != nullptr && bad != head) abandon();
             throw_system_error(verbs::verb_errno(rc), name_);
         }
@@ -79,6 +79,24 @@ void qp::request::post() {
     stage_ = stage::posted;
     qp_->link(this);
     qp_->after_post(true);
+}
+
+// A post failed with no request named bad (`none_bad`): the provider queued every request and
+// only its doorbell failed. siw and rxe ring it with a system call, after writing the requests
+// into the queue they share with the kernel: siw refuses it with ENOTCONN while its QP leaves
+// RTS (the connection ending), and flushes what the queue holds once the QP is in ERROR.
+// Thrown, the error would leave those requests naming an awaiter that is gone. So they are
+// posted: owed like any other, ended by their completions, bounded like a flush (the QP is not
+// running: posted_in_error makes after_post start the flush timer). Returns whether it was so;
+// false (a request refused, nothing posted from it on): the caller throws.
+bool qp::request::queued_despite(int rc, bool none_bad) noexcept {
+    if (!none_bad) return false;
+    detail::diagnose("%s: qp %u: the device queued the request but refused its doorbell (%s): "
+                     "owed until its completion (a flush, bounded by flush_timeout)",
+                     name_, qp_->qp.qp_num(),
+                     std::system_category().message(verbs::verb_errno(rc)).c_str());
+    qp_->posted_in_error = true;
+    return true;
 }
 
 // send_options::signaled = false. Posts the request unsignaled (or, one in signal_interval,
@@ -101,7 +119,8 @@ bool qp::request::post_unsignaled() {
     }
     ibv_send_wr* bad = nullptr;
     int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
-    if (rc != 0) throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
+    if (rc != 0 && !queued_despite(rc, bad == nullptr)) [[unlikely]]
+        throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
     ++q.counters.unsignaled;
     if (forced) {
         ++q.counters.forced_signaled;

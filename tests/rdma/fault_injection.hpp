@@ -107,6 +107,42 @@ class fail_recv_chain_at {
     static inline int posted_ = 0;
 };
 
+// The next `count` ibv_post_send calls, while it lives, reach the real device and then fail
+// with `err` naming no request bad: what siw's provider does when the kernel refuses the
+// doorbell of requests it has already written into the send queue (ENOTCONN while its QP
+// leaves RTS; rxe's provider returns its doorbell's error the same way). Every request is the
+// device's: it completes (or is flushed) like any other.
+class refuse_send_doorbell {
+  public:
+    explicit refuse_send_doorbell(int count, int err = ENOTCONN) noexcept {
+        left_ = count;
+        err_ = err;
+        refused_ = 0;
+        ringverbs::verbs::detail::hooks().post_send = &post;
+    }
+    ~refuse_send_doorbell() {
+        ringverbs::verbs::detail::hooks().post_send =
+            ringverbs::verbs::detail::real_verbs().post_send;
+    }
+    refuse_send_doorbell(const refuse_send_doorbell&) = delete;
+    refuse_send_doorbell& operator=(const refuse_send_doorbell&) = delete;
+
+    static int refused() noexcept { return refused_; }
+
+  private:
+    static int post(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+        const int rc = ringverbs::verbs::detail::real_verbs().post_send(qp, wr, bad);
+        if (rc != 0 || left_ <= 0) return rc;
+        --left_;
+        ++refused_;
+        *bad = nullptr;
+        return err_;
+    }
+    static inline int left_ = 0;
+    static inline int err_ = 0;
+    static inline int refused_ = 0;
+};
+
 // Takes out of every poll, while it lives, the completions whose wr_id is one of `wr_ids`
 // (at most 8), and counts them: the runtime never sees them. For requests whose awaits have
 // ended, where any later completion would name an awaiter that is gone.

@@ -375,6 +375,62 @@ TEST_CASE("a chain posted with post() that fails part-way, awaited after: throws
     CHECK(c.p.b->pending() == 0);
 }
 
+TEST_CASE("a send whose doorbell is refused after the device queued it is owed: its completion "
+          "ends the await, once") {
+    // siw's provider writes the request into the queue it shares with the kernel, then the
+    // doorbell system call fails (ENOTCONN while the QP leaves RTS) naming no request bad: the
+    // request is the device's, and its completion (there a flush) names the awaiter. Before:
+    // the await threw and the completion came for a request that was gone.
+    watchdog wd(60s, "doorbell refused");
+    device dev;
+    io_context io;
+    pair p(dev, io, qp_options{.flush_timeout = 30s});
+    region in(dev.pd, 64), out(dev.pd, 64);
+    fill(out.bytes, 9);
+    int ended = 0;
+    auto r = [&]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
+    auto s = [&]() -> task<ibv_wc> {
+        refuse_send_doorbell refuse(1);
+        ibv_wc wc = co_await p.a->send(out.all());
+        CHECK(refuse_send_doorbell::refused() == 1);
+        ++ended;
+        co_return wc;
+    };
+    auto [rwc, swc] = io.run(when_all(r(), s()));
+    CHECK(ended == 1);
+    CHECK(swc.status == IBV_WC_SUCCESS);
+    CHECK(rwc.byte_len == 64);
+    CHECK(in.bytes == out.bytes);
+    CHECK(p.a->pending() == 0);
+    // Nothing more arrives for it, and the flush bound it started ends with nothing owed.
+    auto pause = [&]() -> task<void> { co_await sleep_for(io, 100ms); };
+    io.run(pause());
+    CHECK(ended == 1);
+    CHECK(p.a->pending() == 0);
+}
+
+TEST_CASE("an unsignaled send whose doorbell is refused after the device queued it counts as "
+          "posted") {
+    watchdog wd(60s, "doorbell refused, unsignaled");
+    device dev;
+    io_context io;
+    pair p(dev, io, qp_options{.flush_timeout = 30s});
+    region in(dev.pd, 64), out(dev.pd, 64);
+    fill(out.bytes, 4);
+    auto r = [&]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
+    auto s = [&]() -> task<void> {
+        refuse_send_doorbell refuse(1);
+        co_await p.a->send(out.all(), send_options{.signaled = false});
+        CHECK(refuse_send_doorbell::refused() == 1);
+    };
+    auto [rwc, none] = io.run(when_all(r(), s()));
+    (void)none;
+    CHECK(rwc.byte_len == 64);
+    CHECK(in.bytes == out.bytes);
+    CHECK(p.a->counters().unsignaled == 1);
+    CHECK(p.a->pending() == 0);
+}
+
 TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommit is allowed") {
     device dev;
     io_context io;

@@ -111,6 +111,41 @@ TEST_CASE("the RC state machine: RESET, INIT, RTR, RTS, ERROR and back" *
     CHECK(src == dst);
 }
 
+TEST_CASE("a send whose doorbell the device refuses after queueing it does not throw: it "
+          "completes once, flushed" *
+          doctest::test_suite(ib_roce_only)) {
+    // rxe's provider writes the request into the send queue it shares with the kernel, then
+    // rings the doorbell with a system call, which the kernel refuses before RTS (EINVAL);
+    // ibv_post_send returns that error naming no request bad. The request is queued all the
+    // same: a caller told it failed would not expect its completion (siw does the same with
+    // ENOTCONN while its connection ends).
+    verbs::context ctx(rdma_device().name);
+    verbs::protection_domain pd(ctx);
+    verbs::completion_channel ch(ctx);
+    verbs::completion_queue cq(ctx, 64, &ch);
+    verbs::queue_pair a(pd, cq, cq);
+    a.to_init(rdma_device().port);
+    std::vector<std::byte> src = pattern(64, 3);
+    verbs::memory_region smr(pd, src, verbs::access::none);
+    ibv_sge sge = smr.sge();
+    ibv_send_wr wr{};
+    wr.wr_id = 21;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr* bad = &wr;
+    const int rc = ibv_post_send(a.native(), &wr, &bad); // what the provider reports
+    REQUIRE_MESSAGE(rc != 0, "the device took a send before RTS");
+    CHECK(bad == nullptr);
+    wr.wr_id = 22;
+    a.post_send(wr); // the same once more, through the wrapper: no throw
+    a.to_error();
+    const auto flushed = wait_completions(cq, ch, 2);
+    CHECK(find_wc(flushed, 21).status == IBV_WC_WR_FLUSH_ERR);
+    CHECK(find_wc(flushed, 22).status == IBV_WC_WR_FLUSH_ERR);
+}
+
 TEST_CASE("send/recv carries every byte, in both directions and across MTU boundaries") {
     loopback lp;
     const ibv_port_attr port = lp.ctx.query_port(rdma_device().port);
