@@ -14,6 +14,7 @@
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <tuple>
 
 using namespace rt;
 using namespace std::chrono_literals;
@@ -375,32 +376,47 @@ TEST_CASE("a chain posted with post() that fails part-way, awaited after: throws
     CHECK(c.p.b->pending() == 0);
 }
 
-TEST_CASE("a send whose doorbell is refused after the device queued it is owed: its completion "
-          "ends the await, once") {
+namespace {
+
+// What the doorbell cases share: a pair (a 30 s flush bound, far beyond a case that ends by
+// itself), a message of 64 bytes from a to b, and b's receive of it awaited beside the send.
+struct doorbell_case {
+    device dev;
+    io_context io;
+    pair p{dev, io, qp_options{.flush_timeout = 30s}};
+    region in{dev.pd, 64};
+    region out{dev.pd, 64};
+    doorbell_case() { fill(out.bytes, 9); }
+    // Runs `send` (a's side) beside b's receive; checks the message arrived whole.
+    template <typename Send>
+    auto exchange(Send send) {
+        auto r = [this]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
+        auto both = io.run(when_all(r(), send()));
+        CHECK(std::get<0>(both).byte_len == 64);
+        CHECK(in.bytes == out.bytes);
+        return std::get<1>(both);
+    }
+};
+
+} // namespace
+
+TEST_CASE_FIXTURE(doorbell_case, "a send whose doorbell is refused after the device queued it "
+                                 "is owed: its completion ends the await, once") {
     // siw's provider writes the request into the queue it shares with the kernel, then the
     // doorbell system call fails (ENOTCONN while the QP leaves RTS) naming no request bad: the
     // request is the device's, and its completion (there a flush) names the awaiter. Before:
     // the await threw and the completion came for a request that was gone.
     watchdog wd(60s, "doorbell refused");
-    device dev;
-    io_context io;
-    pair p(dev, io, qp_options{.flush_timeout = 30s});
-    region in(dev.pd, 64), out(dev.pd, 64);
-    fill(out.bytes, 9);
     int ended = 0;
-    auto r = [&]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
-    auto s = [&]() -> task<ibv_wc> {
+    const ibv_wc swc = exchange([&]() -> task<ibv_wc> {
         refuse_send_doorbell refuse(1);
         ibv_wc wc = co_await p.a->send(out.all());
         CHECK(refuse_send_doorbell::refused() == 1);
         ++ended;
         co_return wc;
-    };
-    auto [rwc, swc] = io.run(when_all(r(), s()));
+    });
     CHECK(ended == 1);
     CHECK(swc.status == IBV_WC_SUCCESS);
-    CHECK(rwc.byte_len == 64);
-    CHECK(in.bytes == out.bytes);
     CHECK(p.a->pending() == 0);
     // Nothing more arrives for it, and the flush bound it started ends with nothing owed.
     auto pause = [&]() -> task<void> { co_await sleep_for(io, 100ms); };
@@ -409,24 +425,14 @@ TEST_CASE("a send whose doorbell is refused after the device queued it is owed: 
     CHECK(p.a->pending() == 0);
 }
 
-TEST_CASE("an unsignaled send whose doorbell is refused after the device queued it counts as "
-          "posted") {
+TEST_CASE_FIXTURE(doorbell_case, "an unsignaled send whose doorbell is refused after the device "
+                                 "queued it counts as posted") {
     watchdog wd(60s, "doorbell refused, unsignaled");
-    device dev;
-    io_context io;
-    pair p(dev, io, qp_options{.flush_timeout = 30s});
-    region in(dev.pd, 64), out(dev.pd, 64);
-    fill(out.bytes, 4);
-    auto r = [&]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
-    auto s = [&]() -> task<void> {
+    exchange([&]() -> task<void> {
         refuse_send_doorbell refuse(1);
         co_await p.a->send(out.all(), send_options{.signaled = false});
         CHECK(refuse_send_doorbell::refused() == 1);
-    };
-    auto [rwc, none] = io.run(when_all(r(), s()));
-    (void)none;
-    CHECK(rwc.byte_len == 64);
-    CHECK(in.bytes == out.bytes);
+    });
     CHECK(p.a->counters().unsignaled == 1);
     CHECK(p.a->pending() == 0);
 }

@@ -128,12 +128,7 @@ TEST_CASE("a send whose doorbell the device refuses after queueing it does not t
     std::vector<std::byte> src = pattern(64, 3);
     verbs::memory_region smr(pd, src, verbs::access::none);
     ibv_sge sge = smr.sge();
-    ibv_send_wr wr{};
-    wr.wr_id = 21;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr wr = signaled_send(21, sge);
     ibv_send_wr* bad = &wr;
     const int rc = ibv_post_send(a.native(), &wr, &bad); // what the provider reports
     REQUIRE_MESSAGE(rc != 0, "the device took a send before RTS");

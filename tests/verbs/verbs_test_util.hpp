@@ -158,16 +158,22 @@ inline void post_recv_into(verbs::queue_pair& qp, const verbs::memory_region& ds
     qp.post_recv(wr);
 }
 
-// Posts one signaled SEND of the whole of `src` with `wr_id`.
-inline void post_send_from(verbs::queue_pair& qp, const verbs::memory_region& src,
-                           std::uint64_t wr_id) {
-    ibv_sge sge = src.sge();
+// A signaled SEND of `sge` with `wr_id`.
+inline ibv_send_wr signaled_send(std::uint64_t wr_id, ibv_sge& sge) {
     ibv_send_wr wr{};
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED;
+    return wr;
+}
+
+// Posts one signaled SEND of the whole of `src` with `wr_id`.
+inline void post_send_from(verbs::queue_pair& qp, const verbs::memory_region& src,
+                           std::uint64_t wr_id) {
+    ibv_sge sge = src.sge();
+    ibv_send_wr wr = signaled_send(wr_id, sge);
     qp.post_send(wr);
 }
 
