@@ -3,9 +3,12 @@
 
 #include "rdma_fixture.hpp"
 
+#include <ringverbs/cm/cm_channel.hpp>
+#include <ringverbs/cm/cm_id.hpp>
 #include <ringverbs/engine/nothrow.hpp>
 
 #include <arpa/inet.h>
+#include <netinet/in.h>
 #include <rdma/rdma_cma.h>
 
 #include <cerrno>
@@ -13,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -39,6 +43,46 @@ inline std::string test_addr() {
     inet_ntop(AF_INET, &e.gid.raw[12], text, sizeof text);
     return text;
 }
+
+// `ip`:`port` as a sockaddr_in (port in host order). Throws std::invalid_argument for an
+// address that is not IPv4.
+inline sockaddr_in addr_at(const std::string& ip, std::uint16_t port) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    if (inet_pton(AF_INET, ip.c_str(), &a.sin_addr) != 1)
+        throw std::invalid_argument("not an IPv4 address: " + ip);
+    return a;
+}
+
+inline const sockaddr* sa(const sockaddr_in& a) {
+    return reinterpret_cast<const sockaddr*>(&a);
+}
+
+// Makes `id` listen on `ip` at a port the kernel picks; returns where it listens.
+inline sockaddr_in listen_anywhere(ringverbs::cm_id& id, const std::string& ip) {
+    sockaddr_in a = addr_at(ip, 0);
+    id.listen(sa(a));
+    a.sin_port = htons(id.local_port());
+    return a;
+}
+
+// What most rdma_cm cases start from (TEST_CASE_FIXTURE): one event channel, an id listening on
+// the test device's address at a port the kernel picks (`at` says where), and what connections
+// on that device need: librdmacm's own context of the device (the PD and CQs of rdma_create_qp
+// must be on it), a PD, a completion channel, and a CQ for each side.
+struct listening {
+    const std::string ip = test_addr();
+    ringverbs::io_context io;
+    ringverbs::cm_channel events{io};
+    ringverbs::cm_id listener{events};
+    const sockaddr_in at = listen_anywhere(listener, ip);
+    ringverbs::verbs::context dev = listener.device();
+    ringverbs::verbs::protection_domain pd{dev};
+    ringverbs::channel comp{io, dev};
+    ringverbs::cq cq_server{comp};
+    ringverbs::cq cq_client{comp};
+};
 
 // Inside tools/softroce-vm, whose device sits on a dummy netdev with no NIC.
 inline bool in_our_vm() {

@@ -30,18 +30,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-sockaddr_in addr_at(const std::string& ip, std::uint16_t port) {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    REQUIRE(inet_pton(AF_INET, ip.c_str(), &a.sin_addr) == 1);
-    return a;
-}
-
-const sockaddr* sa(const sockaddr_in& a) {
-    return reinterpret_cast<const sockaddr*>(&a);
-}
-
 // Resolves `to` on `id` (address and route), as a connecting id does first.
 task<void> resolve(cm_id& id, const sockaddr_in& to) {
     co_await id.resolve_addr(sa(to), wait_options(5s));
@@ -70,20 +58,10 @@ struct connector {
 
 } // namespace
 
-TEST_CASE("self-connect: one event channel listens and connects; private data both ways; "
-          "a verified message; disconnect seen by the other side") {
-    const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20871);
-    io_context io;
-    cm_channel events(io);
-    cm_id listener(events);
-    listener.listen(sa(at));
-    CHECK(listener.local_port() == 20871);
-    // librdmacm's own context of the device: the PD and CQs of rdma_create_qp must be on it.
-    verbs::context dev = listener.device();
-    verbs::protection_domain pd(dev);
-    channel comp(io, dev);
-    cq cq_server(comp), cq_client(comp);
+TEST_CASE_FIXTURE(listening,
+                  "self-connect: one event channel listens and connects; private data both ways; "
+                  "a verified message; disconnect seen by the other side") {
+    CHECK(ntohs(at.sin_port) == listener.local_port());
     region out(pd, 4096), in(pd, 4096);
     fill(out.bytes, 77);
     const auto hello = bytes_of("hello from the connector");
@@ -125,19 +103,10 @@ TEST_CASE("self-connect: one event channel listens and connects; private data bo
 }
 
 // IB/RoCE only: iWARP has no RNR (a SEND that finds no receive posted ends the connection).
-TEST_CASE("a server that never posts a receive: the client's send ends with RNR (finite "
-          "rnr_retry_count by default) instead of stalling the connection" *
-          doctest::test_suite(ringverbs::test::ib_roce_only)) {
-    const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20881);
-    io_context io;
-    cm_channel events(io);
-    cm_id listener(events);
-    listener.listen(sa(at));
-    verbs::context dev = listener.device();
-    verbs::protection_domain pd(dev);
-    channel comp(io, dev);
-    cq cq_server(comp), cq_client(comp);
+TEST_CASE_FIXTURE(listening,
+                  "a server that never posts a receive: the client's send ends with RNR (finite "
+                  "rnr_retry_count by default) instead of stalling the connection" *
+                      doctest::test_suite(ringverbs::test::ib_roce_only)) {
     region out(pd, 4096);
     fill(out.bytes, 5);
     std::optional<completion_error> failure;
@@ -335,17 +304,10 @@ TEST_CASE("connect to an address nobody has: ends within the channel's default s
     CHECK(waited < 60s);
 }
 
-TEST_CASE("the listener rejects with private data: the connector's error carries reason and data") {
-    const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20873);
-    io_context io;
-    cm_channel events(io);
-    cm_id listener(events);
-    listener.listen(sa(at));
-    verbs::context dev = listener.device();
-    verbs::protection_domain pd(dev);
-    channel comp(io, dev);
-    cq c(comp);
+TEST_CASE_FIXTURE(
+    listening,
+    "the listener rejects with private data: the connector's error carries reason and data") {
+    cq& c = cq_client;
     const auto why = bytes_of("go away: full");
     auto server = [&]() -> task<void> {
         cm_id conn = co_await listener.accept(wait_options(10s));
@@ -402,7 +364,7 @@ TEST_CASE("accept: a timeout, a stop_token, and a destroyed listener end the wai
     io_context io;
     cm_channel events(io);
     cm_id listener(events);
-    listener.listen(sa(addr_at(ip, 20875)));
+    listener.listen(sa(addr_at(ip, 0)));
     auto timed = [&]() -> task<std::errc> {
         try {
             (void)co_await listener.accept(wait_options(30ms));
@@ -430,7 +392,7 @@ TEST_CASE("accept: a timeout, a stop_token, and a destroyed listener end the wai
 
     // A listener destroyed under a waiting accept(): operation_canceled.
     auto holder = std::make_unique<cm_id>(events);
-    holder->listen(sa(addr_at(ip, 20876)));
+    holder->listen(sa(addr_at(ip, 0)));
     auto orphaned = [&]() -> task<std::errc> {
         co_return errc_of(co_await nothrow(holder->accept()));
     };
@@ -445,11 +407,10 @@ TEST_CASE("accept: a timeout, a stop_token, and a destroyed listener end the wai
 
 TEST_CASE("lifetime: ids keep their event channel serving, a qp keeps its id") {
     const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20877);
     io_context io;
     auto events = std::make_unique<cm_channel>(io);
     auto listener = std::make_unique<cm_id>(*events);
-    listener->listen(sa(at));
+    const sockaddr_in at = listen_anywhere(*listener, ip);
     verbs::context dev = listener->device();
     verbs::protection_domain pd(dev);
     channel comp(io, dev);
@@ -470,118 +431,103 @@ TEST_CASE("lifetime: ids keep their event channel serving, a qp keeps its id") {
 // One side disconnects while the other has receives posted and awaited: the other side's id
 // answers the DREQ, its QP goes to the error state and every posted receive resumes flushed.
 // Run with the connector disconnecting, then with the listener disconnecting.
-TEST_CASE("disconnect from either side mid-stream: the other side's pending receives resume "
-          "flushed, none hangs") {
-    const std::string ip = test_addr();
-    for (const bool client_leaves : {true, false}) {
-        CAPTURE(client_leaves);
-        const sockaddr_in at = addr_at(ip, client_leaves ? 20878 : 20879);
-        io_context io;
-        cm_channel events(io);
-        cm_id listener(events);
-        listener.listen(sa(at));
-        verbs::context dev = listener.device();
-        verbs::protection_domain pd(dev);
-        channel comp(io, dev);
-        cq cq_server(comp), cq_client(comp);
-        region server_in(pd, 4 * 64), client_in(pd, 4 * 64), out(pd, 64);
-        fill(out.bytes, 5);
-        int flushed_on_stayer = 0;
-        int delivered = 0;
-        bool stayer_connected = false;
-
-        // The side that stays: 4 receives posted before it connects (or accepts), the first
-        // gets a message, the other 3 must be flushed by the peer's disconnect.
-        auto stay = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
-            auto r0 = q.recv(in.local(0, 64));
-            auto r1 = q.recv(in.local(64, 64));
-            auto r2 = q.recv(in.local(128, 64));
-            auto r3 = q.recv(in.local(192, 64));
-            r0.post(), r1.post(), r2.post(), r3.post();
-            if (connector)
-                co_await id.connect({}, wait_options(10s));
-            else
-                co_await id.accept_connection({}, wait_options(10s));
-            stayer_connected = true;
-            co_await r0;
-            ++delivered;
-            for (auto* r : {&r1, &r2, &r3}) {
-                try {
-                    (void)co_await *r;
-                    FAIL("a receive completed without a message");
-                } catch (const completion_error& e) {
-                    // The peer's disconnect flushed it: connection_reset, told apart from a
-                    // failed request by its code, still a flush by its status.
-                    CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
-                    CHECK(e.code() == std::errc::connection_reset);
-                    CHECK(dynamic_cast<const connection_reset*>(&e) != nullptr);
-                    CHECK(std::string(e.what()).find("the connection was closed") !=
-                          std::string::npos);
-                    ++flushed_on_stayer;
-                }
-            }
-            co_await id.disconnected(wait_options(10s));
-        };
-        // The side that leaves: one message, then disconnect with a receive of its own posted
-        // (flushed by its own disconnect).
-        auto leave = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
-            auto mine = q.recv(in.local(0, 64));
-            mine.post();
-            if (connector)
-                co_await id.connect({}, wait_options(10s));
-            else
-                co_await id.accept_connection({}, wait_options(10s));
-            // Mid-stream: both sides established first. On iWARP the accepting side is
-            // established before the connecting one, and siw fails a connect whose peer has
-            // closed the stream before its MPA reply was processed (CONNECT_ERROR, EINVAL).
-            for (int i = 0; i < 200 && !stayer_connected; ++i)
-                co_await sleep_for(io, 10ms);
-            REQUIRE(stayer_connected);
-            co_await q.send(out.local(0, 64));
-            co_await id.disconnect(wait_options(10s));
-            try {
-                (void)co_await mine;
-                FAIL("the leaver's receive completed");
-            } catch (const completion_error& e) {
-                CHECK(e.status() == IBV_WC_WR_FLUSH_ERR); // flushed by its own disconnect
-                CHECK(e.code() == std::errc::connection_reset);
-            }
-        };
-        auto server = [&]() -> task<void> {
-            cm_id conn = co_await listener.accept(wait_options(10s));
-            qp q = conn.make_qp(pd, cq_server, cq_server);
-            if (client_leaves)
-                co_await stay(conn, q, server_in, false);
-            else
-                co_await leave(conn, q, server_in, false);
-        };
-        auto client = [&]() -> task<void> {
-            cm_id id(events);
-            co_await resolve(id, at);
-            qp q = id.make_qp(pd, cq_client, cq_client);
-            if (client_leaves)
-                co_await leave(id, q, client_in, true);
-            else
-                co_await stay(id, q, client_in, true);
-        };
-        io.run(when_all(server(), client()));
-        CHECK(delivered == 1);
-        CHECK(flushed_on_stayer == 3);
+TEST_CASE_FIXTURE(listening, "disconnect from either side mid-stream: the other side's pending "
+                             "receives resume flushed, none hangs") {
+    bool client_leaves = true;
+    SUBCASE("the client leaves") {
+        client_leaves = true;
     }
+    SUBCASE("the server leaves") {
+        client_leaves = false;
+    }
+    CAPTURE(client_leaves);
+    region server_in(pd, 4 * 64), client_in(pd, 4 * 64), out(pd, 64);
+    fill(out.bytes, 5);
+    int flushed_on_stayer = 0;
+    int delivered = 0;
+    bool stayer_connected = false;
+
+    // The side that stays: 4 receives posted before it connects (or accepts), the first
+    // gets a message, the other 3 must be flushed by the peer's disconnect.
+    auto stay = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
+        auto r0 = q.recv(in.local(0, 64));
+        auto r1 = q.recv(in.local(64, 64));
+        auto r2 = q.recv(in.local(128, 64));
+        auto r3 = q.recv(in.local(192, 64));
+        r0.post(), r1.post(), r2.post(), r3.post();
+        if (connector)
+            co_await id.connect({}, wait_options(10s));
+        else
+            co_await id.accept_connection({}, wait_options(10s));
+        stayer_connected = true;
+        co_await r0;
+        ++delivered;
+        for (auto* r : {&r1, &r2, &r3}) {
+            try {
+                (void)co_await *r;
+                FAIL("a receive completed without a message");
+            } catch (const completion_error& e) {
+                // The peer's disconnect flushed it: connection_reset, told apart from a
+                // failed request by its code, still a flush by its status.
+                CHECK(e.status() == IBV_WC_WR_FLUSH_ERR);
+                CHECK(e.code() == std::errc::connection_reset);
+                CHECK(dynamic_cast<const connection_reset*>(&e) != nullptr);
+                CHECK(std::string(e.what()).find("the connection was closed") != std::string::npos);
+                ++flushed_on_stayer;
+            }
+        }
+        co_await id.disconnected(wait_options(10s));
+    };
+    // The side that leaves: one message, then disconnect with a receive of its own posted
+    // (flushed by its own disconnect).
+    auto leave = [&](cm_id& id, qp& q, region& in, bool connector) -> task<void> {
+        auto mine = q.recv(in.local(0, 64));
+        mine.post();
+        if (connector)
+            co_await id.connect({}, wait_options(10s));
+        else
+            co_await id.accept_connection({}, wait_options(10s));
+        // Mid-stream: both sides established first. On iWARP the accepting side is
+        // established before the connecting one, and siw fails a connect whose peer has
+        // closed the stream before its MPA reply was processed (CONNECT_ERROR, EINVAL).
+        for (int i = 0; i < 200 && !stayer_connected; ++i)
+            co_await sleep_for(io, 10ms);
+        REQUIRE(stayer_connected);
+        co_await q.send(out.local(0, 64));
+        co_await id.disconnect(wait_options(10s));
+        try {
+            (void)co_await mine;
+            FAIL("the leaver's receive completed");
+        } catch (const completion_error& e) {
+            CHECK(e.status() == IBV_WC_WR_FLUSH_ERR); // flushed by its own disconnect
+            CHECK(e.code() == std::errc::connection_reset);
+        }
+    };
+    auto server = [&]() -> task<void> {
+        cm_id conn = co_await listener.accept(wait_options(10s));
+        qp q = conn.make_qp(pd, cq_server, cq_server);
+        if (client_leaves)
+            co_await stay(conn, q, server_in, false);
+        else
+            co_await leave(conn, q, server_in, false);
+    };
+    auto client = [&]() -> task<void> {
+        cm_id id(events);
+        co_await resolve(id, at);
+        qp q = id.make_qp(pd, cq_client, cq_client);
+        if (client_leaves)
+            co_await leave(id, q, client_in, true);
+        else
+            co_await stay(id, q, client_in, true);
+    };
+    io.run(when_all(server(), client()));
+    CHECK(delivered == 1);
+    CHECK(flushed_on_stayer == 3);
 }
 
-TEST_CASE("two coroutines await disconnected(): the first destroys the id, the second reads "
-          "nothing freed") {
-    const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20880);
-    io_context io;
-    cm_channel events(io);
-    cm_id listener(events);
-    listener.listen(sa(at));
-    verbs::context dev = listener.device();
-    verbs::protection_domain pd(dev);
-    channel comp(io, dev);
-    cq cq_server(comp), cq_client(comp);
+TEST_CASE_FIXTURE(
+    listening, "two coroutines await disconnected(): the first destroys the id, the second reads "
+               "nothing freed") {
     int ended = 0;
     auto server = [&]() -> task<void> {
         cm_id accepted = co_await listener.accept(wait_options(10s));
@@ -615,10 +561,9 @@ TEST_CASE("two coroutines await disconnected(): the first destroys the id, the s
     CHECK(ended == 2);
 }
 
-TEST_CASE("migrate: a listener's thread hands an accepted request to a worker thread, whose "
-          "channel then gets its events (accept, echo, disconnect all on the worker)") {
-    const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20882);
+TEST_CASE_FIXTURE(listening, "migrate: a listener's thread hands an accepted request to a worker "
+                             "thread, whose channel then gets its events (accept, echo, "
+                             "disconnect all on the worker)") {
     std::promise<cm_channel*> ready;
     std::promise<cm_id::in_transit> handed;
     std::uint32_t worker_echoed = 0;
@@ -655,15 +600,7 @@ TEST_CASE("migrate: a listener's thread hands an accepted request to a worker th
         }
     });
     cm_channel* target = ready.get_future().get();
-
-    io_context io;
-    cm_channel events(io);
-    cm_id listener(events);
-    listener.listen(sa(at));
-    verbs::context dev = listener.device();
-    verbs::protection_domain pd(dev);
-    channel comp(io, dev);
-    cq completions(comp);
+    cq& completions = cq_client;
     region out(pd, 4096), back(pd, 4096);
     fill(out.bytes, 31);
     auto hand_over = [&]() -> task<void> {
@@ -714,21 +651,12 @@ TEST_CASE("migrate: a listener's thread hands an accepted request to a worker th
 }
 
 // IB/RoCE only: iWARP has no RNR (a SEND that finds no receive posted ends the connection).
-TEST_CASE("a client that asks for endless RNR retries (rnr_retry_count 7) and never posts a "
-          "receive: the accepting side's send still ends with RNR, bounded by its own count" *
-          doctest::test_suite(ringverbs::test::ib_roce_only)) {
+TEST_CASE_FIXTURE(
+    listening, "a client that asks for endless RNR retries (rnr_retry_count 7) and never posts a "
+               "receive: the accepting side's send still ends with RNR, bounded by its own count" *
+                   doctest::test_suite(ringverbs::test::ib_roce_only)) {
     // IB CM hands each side the RNR retry count the *other* side sent (the server's QP gets the
     // REQ's); accept_connection moves its QP to RTS itself, with its own rnr_retry_count.
-    const std::string ip = test_addr();
-    const sockaddr_in at = addr_at(ip, 20883);
-    io_context io;
-    cm_channel events(io);
-    cm_id listener(events);
-    listener.listen(sa(at));
-    verbs::context dev = listener.device();
-    verbs::protection_domain pd(dev);
-    channel comp(io, dev);
-    cq cq_server(comp), cq_client(comp);
     region out(pd, 4096), in(pd, 4096);
     fill(out.bytes, 9);
     std::optional<completion_error> failure;
