@@ -5,6 +5,7 @@
 
 #include <ringverbs/cm/cm_channel.hpp>
 #include <ringverbs/cm/cm_id.hpp>
+#include <ringverbs/cm/connection.hpp>
 #include <ringverbs/engine/nothrow.hpp>
 
 #include <arpa/inet.h>
@@ -82,6 +83,15 @@ struct listening {
     ringverbs::channel comp{io, dev};
     ringverbs::cq cq_server{comp};
     ringverbs::cq cq_client{comp};
+};
+
+// What the connection cases start from (TEST_CASE_FIXTURE): a listener on the test device's
+// address at a port the kernel picks; `at` ("ip:port") is where connect() finds it.
+struct serving {
+    const std::string ip = test_addr();
+    ringverbs::io_context io;
+    ringverbs::listener l{io, ip + ":0"};
+    const std::string at = ip + ":" + std::to_string(l.port());
 };
 
 // Inside tools/softroce-vm, whose device sits on a dummy netdev with no NIC.

@@ -56,6 +56,25 @@ struct connector {
     }
 };
 
+// What co_await id.disconnect(3 s) ended with on `io` (0, or the errno it threw) and how long
+// it took. Logs both.
+struct disconnect_outcome {
+    int err = -1;
+    std::chrono::milliseconds took{};
+};
+disconnect_outcome timed_disconnect(io_context& io, cm_id& id) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto run = [&]() -> task<result<void>> {
+        co_return co_await nothrow(id.disconnect(wait_options(3s)));
+    };
+    const result<void> r = io.run(run());
+    disconnect_outcome o{r ? 0 : r.error().value(),
+                         std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::steady_clock::now() - t0)};
+    MESSAGE("disconnect: errno " << o.err << " after " << o.took.count() << " ms");
+    return o;
+}
+
 } // namespace
 
 TEST_CASE_FIXTURE(listening,
@@ -175,34 +194,14 @@ TEST_CASE("disconnect() of an id that never got connected returns at once: resol
     const std::string ip = test_addr();
     io_context io;
     cm_channel events(io);
-    auto ms = [](std::chrono::steady_clock::duration d) {
-        return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
-    };
-    // Runs co_await id.disconnect(3 s); the errno it threw (0: none) and how long it took.
-    auto disconnect = [&](cm_id& id, int& err, std::chrono::steady_clock::duration& took) {
-        auto run = [&]() -> task<void> {
-            try {
-                co_await id.disconnect(wait_options(3s));
-                err = 0;
-            } catch (const std::system_error& e) {
-                err = e.code().value();
-            }
-        };
-        const auto t0 = std::chrono::steady_clock::now();
-        io.run(run());
-        took = std::chrono::steady_clock::now() - t0;
-    };
 
     SUBCASE("resolved, a qp, never connected") {
         cm_id id(events);
         connector parts;
         io.run(parts.prepare(io, id, addr_at(ip, 20885)));
-        int err = -1;
-        std::chrono::steady_clock::duration took{};
-        disconnect(id, err, took);
-        MESSAGE("disconnect: errno " << err << " after " << ms(took) << " ms");
-        CHECK(err == 0);
-        CHECK(took < 1s);
+        const disconnect_outcome d = timed_disconnect(io, id);
+        CHECK(d.err == 0);
+        CHECK(d.took < 1s);
         CHECK(id.is_disconnected());
     }
     SUBCASE("after a connect that was refused (nothing listens)") {
@@ -218,12 +217,9 @@ TEST_CASE("disconnect() of an id that never got connected returns at once: resol
             co_return false;
         };
         REQUIRE(io.run(attempt()));
-        int err = -1;
-        std::chrono::steady_clock::duration took{};
-        disconnect(id, err, took);
-        MESSAGE("disconnect: errno " << err << " after " << ms(took) << " ms");
-        CHECK(err == 0);
-        CHECK(took < 1s);
+        const disconnect_outcome d = timed_disconnect(io, id);
+        CHECK(d.err == 0);
+        CHECK(d.took < 1s);
         CHECK(id.is_disconnected());
     }
 }
@@ -248,24 +244,9 @@ TEST_CASE("disconnect() after a connect that timed out returns at once" *
         co_return 0;
     };
     REQUIRE(io.run(attempt()) == ETIMEDOUT);
-    int err = -1;
-    auto run = [&]() -> task<void> {
-        try {
-            co_await id.disconnect(wait_options(3s));
-            err = 0;
-        } catch (const std::system_error& e) {
-            err = e.code().value();
-        }
-    };
-    const auto t0 = std::chrono::steady_clock::now();
-    io.run(run());
-    const auto took = std::chrono::steady_clock::now() - t0;
-    MESSAGE(
-        "disconnect: errno " << err << " after "
-                             << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
-                             << " ms");
-    CHECK(err == 0);
-    CHECK(took < 1s);
+    const disconnect_outcome d = timed_disconnect(io, id);
+    CHECK(d.err == 0);
+    CHECK(d.took < 1s);
 }
 
 // Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the

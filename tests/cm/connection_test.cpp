@@ -145,11 +145,8 @@ TEST_CASE("IPv6: a listener on the device's IPv6 address, a connect to it" *
     io.run(run());
 }
 
-TEST_CASE("the peer goes: a posted receive ends with connection_reset, disconnected() resumes") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "the peer goes: a posted receive ends with connection_reset, disconnected() resumes") {
     auto run = [&]() -> task<void> {
         auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
         std::vector<std::byte> buf(64);
@@ -250,12 +247,9 @@ TEST_CASE("connect where nothing listens: connection_rejected, within a moment")
     CHECK(std::chrono::steady_clock::now() - t0 < 10s);
 }
 
-TEST_CASE("nothrow on the library's awaits: a refused connect and a receive that times out as "
-          "error codes, a send and a receive that complete as values") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "nothrow on the library's awaits: a refused connect and a receive that times out as "
+             "error codes, a send and a receive that complete as values") {
     bool ran = false;
     auto run = [&]() -> task<void> {
         result<connection> refused = co_await nothrow(connect(io, ip + ":20891"));
@@ -421,12 +415,9 @@ TEST_CASE("connect to an address nobody has, with the default options: timed_out
     CHECK(waited < 45s);
 }
 
-TEST_CASE("the polling mode is an option: a busy-polled connection and an event-driven one on "
-          "the same thread and device, both exchanging") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "the polling mode is an option: a busy-polled connection and an event-driven one on "
+             "the same thread and device, both exchanging") {
     connection_options busy;
     busy.completion.mode = polling_mode::busy;
     busy.caps.max_inline_data = 64;
@@ -469,13 +460,10 @@ TEST_CASE("a listener destroyed while accept() waits: the accept ends with opera
 // IB/RoCE only: the silent peer never sends IB CM's RTU, which keeps the handshake open. An
 // iWARP handshake has no third message (the accepting side is established once its MPA reply
 // is sent), so such a peer cannot hold one.
-TEST_CASE("a peer that sends its request and never completes the handshake delays nobody: a "
-          "client after it connects within its own bound while that handshake is under way" *
-          doctest::test_suite(ringverbs::test::ib_roce_only)) {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "a peer that sends its request and never completes the handshake delays nobody: a "
+             "client after it connects within its own bound while that handshake is under way" *
+                 doctest::test_suite(ringverbs::test::ib_roce_only)) {
     silent_peer quiet(ip, l.port()); // its request is the first the listener takes
     bool served = false;
     auto run = [&]() -> task<void> {
@@ -624,12 +612,9 @@ TEST_CASE("the listener's own failures are thrown from accept() (EINVAL naming r
     }
 }
 
-TEST_CASE("a failed rdma_cm channel is not reused: the next connect() on the thread makes a new "
-          "one and connects") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "a failed rdma_cm channel is not reused: the next connect() on the thread makes a new "
+             "one and connects") {
     auto run = [&]() -> task<void> {
         auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
         // Break connect()'s channel for real: its fd number now names an eventfd, so
@@ -939,13 +924,10 @@ TEST_CASE("a request the process has no resources for (ENOMEM, EMFILE making its
 // request and exits) ended reverse_server: making the request's QP failed with EINVAL
 // (rdma_create_qp, rdma_init_qp_attr: the kernel had given the request up) and the listener
 // threw it from accept() as its own failure. IB/RoCE: the peer is raw librdmacm (silent_peer).
-TEST_CASE("a request whose peer went before its QP was made is dropped and logged, not thrown "
-          "from accept(); the next client is accepted" *
-          doctest::test_suite(ringverbs::test::ib_roce_only)) {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "a request whose peer went before its QP was made is dropped and logged, not thrown "
+             "from accept(); the next client is accepted" *
+                 doctest::test_suite(ringverbs::test::ib_roce_only)) {
     create_qp_port = l.port();
     create_qp_taken = 0;
     std::optional<silent_peer> peer(std::in_place, ip, l.port());
@@ -971,12 +953,9 @@ TEST_CASE("a request whose peer went before its QP was made is dropped and logge
     }));
 }
 
-TEST_CASE("rdma_create_qp refusing a live request with EINVAL is the listener's failure: thrown "
-          "from accept(), the client rejected, the listener goes on") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "rdma_create_qp refusing a live request with EINVAL is the listener's failure: thrown "
+             "from accept(), the client rejected, the listener goes on") {
     create_qp_port = l.port();
     create_qp_taken = 0;
     const create_qp_hook hook(&create_qp_refused);
@@ -1014,12 +993,9 @@ TEST_CASE("rdma_create_qp refusing a live request with EINVAL is the listener's 
     CHECK(served);
 }
 
-TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and what the SRQ can "
-          "complete at once") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "a connection on a shared receive queue: its CQ holds its sends and what the SRQ can "
+             "complete at once") {
     auto run = [&]() -> task<void> {
         // A first connection gives the device's PD, where the SRQ must be.
         auto [s1, c1] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
@@ -1049,12 +1025,9 @@ TEST_CASE("a connection on a shared receive queue: its CQ holds its sends and wh
 // Review (issue 22 follow-up), finding 4: a wake-up of accept() taken by another accept()
 // (one that did not wait: the connection was there when it was called) sends the woken one
 // back to wait. Its bound must still count from its call, not restart each time.
-TEST_CASE("an accept() whose wake-ups are taken by other accept()s still ends at its own bound, "
-          "counted from its call") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "an accept() whose wake-ups are taken by other accept()s still ends at its own bound, "
+             "counted from its call") {
     constexpr int most = 20;  // clients at most: about 20 * 250 ms, many times the bound
     std::optional<int> ended; // the bounded accept()'s errno (0: it got a connection)
     std::chrono::steady_clock::duration waited{};
@@ -1104,12 +1077,9 @@ TEST_CASE("an accept() whose wake-ups are taken by other accept()s still ends at
 // Review (issue 22 follow-up), finding 5: as recv_ring::next(stop), a requested stop wins over
 // a connection that is ready; it stays for the next accept(). accept() has checked the stop
 // first since 945a9f7 (the finding held for cq::next only): this pins it down.
-TEST_CASE("accept() with a stop already requested ends with operation_canceled even with a "
-          "connection ready; the next accept() takes it") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(serving,
+                  "accept() with a stop already requested ends with operation_canceled even with a "
+                  "connection ready; the next accept() takes it") {
     auto run = [&]() -> task<void> {
         connection c = co_await connect(io, at);
         for (int i = 0; i < 2000 && l.waiting() == 0; ++i) // the server side's ESTABLISHED
@@ -1136,12 +1106,9 @@ TEST_CASE("accept() with a stop already requested ends with operation_canceled e
 // share per thread and device (channel_of) was kept after it failed, as cm_channel_of kept a
 // failed rdma_cm channel before 66d7f8c: every later connection on it waited for completions
 // that nobody read.
-TEST_CASE("a failed completion channel is not reused: the next connection on the thread and "
-          "device gets a new one and exchanges") {
-    const std::string ip = test_addr();
-    io_context io;
-    listener l(io, ip + ":0");
-    const std::string at = ip + ":" + std::to_string(l.port());
+TEST_CASE_FIXTURE(
+    serving, "a failed completion channel is not reused: the next connection on the thread and "
+             "device gets a new one and exchanges") {
     auto run = [&]() -> task<void> {
         auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
         // Break the channel the pair shares for real: its fd number now names /dev/null opened
