@@ -49,16 +49,23 @@ void qp::request::post() {
         }
         last->send_flags |= IBV_SEND_SIGNALED;
         if (qp_->send_cq->solicited_only &&
-            qp_->send_cq->channel->options.mode != polling_mode::busy)
+            qp_->send_cq->channel->options.mode != polling_mode::busy) {
+            qp_->posted_in_error = false; // not posted: nothing to bound
             throw_system_error(EINVAL,
                                std::string(name_) +
                                    ": the qp's send CQ is armed solicited-only, where a send "
                                    "completion raises no event: this await could wait for "
                                    "ever. Give the sends a CQ without "
                                    "cq_options::solicited_only, or use busy polling");
+        }
         ibv_send_wr* bad = nullptr;
         int rc = hooks().post_send(qp_->qp.native(), head, &bad);
-        if (rc != 0 && !queued_despite(rc, bad == nullptr)) [[unlikely]] {
+        if (rc != 0) [[unlikely]] {
+            qp_->posted_in_error = false; // nothing of it is owed after the throw
+            if (bad == nullptr) {
+                abandon(); // all of it queued: it names this awaiter
+                refused_doorbell(rc);
+            }
             // Requests before `bad` were posted and would complete against this awaiter, which
             // is about to throw: reset the QP so that none can (only what was posted is owed).
             if (head->next != nullptr && bad != head) abandon();
@@ -71,7 +78,8 @@ void qp::request::post() {
             w->wr_id = wr_id_for(this, w->next == nullptr);
         ibv_recv_wr* bad = nullptr;
         int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
-        if (rc != 0 && !queued_despite(rc, bad == nullptr)) [[unlikely]] {
+        if (rc != 0) [[unlikely]] {
+            qp_->posted_in_error = false;
             if (head->next != nullptr && bad != head) abandon();
             throw_system_error(verbs::verb_errno(rc), name_);
         }
@@ -81,22 +89,22 @@ void qp::request::post() {
     qp_->after_post(true);
 }
 
-// A post failed with no request named bad (`none_bad`): the provider queued every request and
-// only its doorbell failed. siw and rxe ring it with a system call, after writing the requests
-// into the queue they share with the kernel: siw refuses it with ENOTCONN while its QP leaves
-// RTS (the connection ending), and flushes what the queue holds once the QP is in ERROR.
-// Thrown, the error would leave those requests naming an awaiter that is gone. So they are
-// posted: owed like any other, ended by their completions, bounded like a flush (the QP is not
-// running: posted_in_error makes after_post start the flush timer). Returns whether it was so;
-// false (a request refused, nothing posted from it on): the caller throws.
-bool qp::request::queued_despite(int rc, bool none_bad) noexcept {
-    if (!none_bad) return false;
-    detail::diagnose("%s: qp %u: the device queued the request but refused its doorbell (%s): "
-                     "owed until its completion (a flush, bounded by flush_timeout)",
-                     name_, qp_->qp.qp_num(),
-                     std::system_category().message(verbs::verb_errno(rc)).c_str());
-    qp_->posted_in_error = true;
-    return true;
+// A send failed with no request named bad: the provider queued every request and only its
+// doorbell failed. siw and rxe write sends into the queue they share with the kernel, then ring
+// the doorbell with a system call, which the kernel may refuse: siw with ENOTCONN in any state
+// but RTS and ERROR (its connection ending, or not made yet) and when its QP's state lock is
+// busy; rxe with EINVAL before RTS. What was queued may still complete (siw flushes it once
+// the QP is in ERROR; rxe sends it once in RTS), and after such a refusal siw's provider does
+// not ring again while that request sits unprocessed: the send queue stalls. The caller has
+// reset the QP (ERR, then RESET: nothing of it completes later against an awaiter told it
+// failed); this throws, naming the verb, the qp and the errno. Receives have no doorbell on
+// either device (a failure names its request), so this is for sends only.
+void qp::request::refused_doorbell(int rc) const {
+    throw_system_error(verbs::verb_errno(rc),
+                       std::string(name_) + ": qp " + std::to_string(qp_->qp.qp_num()) +
+                           ": the device queued the request but refused its doorbell (the QP "
+                           "is not in RTS, or its connection is ending); the QP was reset, so "
+                           "nothing of it completes later");
 }
 
 // send_options::signaled = false. Posts the request unsignaled (or, one in signal_interval,
@@ -119,8 +127,18 @@ bool qp::request::post_unsignaled() {
     }
     ibv_send_wr* bad = nullptr;
     int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
-    if (rc != 0 && !queued_despite(rc, bad == nullptr)) [[unlikely]]
+    if (rc != 0) [[unlikely]] {
+        q.posted_in_error = false;
+        if (bad == nullptr) {
+            // Queued all the same: its completion names the sink (forced) or the CQ's
+            // unsignaled op, never this request. Count the sink's as owed, so that the reset's
+            // flush (or made-up end) finds it, then reset and throw as for a signaled send.
+            if (forced) q.sink_posted();
+            q.reset(0);
+            refused_doorbell(rc);
+        }
         throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
+    }
     ++q.counters.unsignaled;
     if (forced) {
         ++q.counters.forced_signaled;

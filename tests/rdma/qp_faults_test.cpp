@@ -14,7 +14,7 @@
 #include <optional>
 #include <stop_token>
 #include <string>
-#include <tuple>
+#include <utility>
 
 using namespace rt;
 using namespace std::chrono_literals;
@@ -379,62 +379,77 @@ TEST_CASE("a chain posted with post() that fails part-way, awaited after: throws
 namespace {
 
 // What the doorbell cases share: a pair (a 30 s flush bound, far beyond a case that ends by
-// itself), a message of 64 bytes from a to b, and b's receive of it awaited beside the send.
+// itself) and a's send of 64 bytes whose doorbell is refused after the device queued it
+// (refuse_send_doorbell: what siw's provider reports while its QP leaves RTS).
 struct doorbell_case {
     device dev;
     io_context io;
     pair p{dev, io, qp_options{.flush_timeout = 30s}};
-    region in{dev.pd, 64};
     region out{dev.pd, 64};
-    doorbell_case() { fill(out.bytes, 9); }
-    // Runs `send` (a's side) beside b's receive; checks the message arrived whole.
-    template <typename Send>
-    auto exchange(Send send) {
-        auto r = [this]() -> task<ibv_wc> { co_return co_await p.b->recv(in.all()); };
-        auto both = io.run(when_all(r(), send()));
-        CHECK(std::get<0>(both).byte_len == 64);
-        CHECK(in.bytes == out.bytes);
-        return std::get<1>(both);
+    int ended = 0; // how many times the await of the refused send ended
+
+    // What that send's await threw ("" if it returned), and how the next send on a fared.
+    std::pair<std::string, std::string> refused_then_next(send_options o) {
+        auto refused = [&]() -> task<std::string> {
+            std::string what;
+            {
+                refuse_send_doorbell refuse(1);
+                try {
+                    co_await p.a->send(out.all(), o);
+                } catch (const std::system_error& e) {
+                    CHECK(errc_of(e) == std::errc::not_connected);
+                    what = e.what();
+                }
+                CHECK(refuse_send_doorbell::refused() == 1);
+            }
+            ++ended;
+            co_return what;
+        };
+        const std::string first = io.run(refused());
+        // Whatever the device still held of it came before the throw, or never.
+        auto pause = [&]() -> task<void> { co_await sleep_for(io, 100ms); };
+        io.run(pause());
+        auto next = [&]() -> task<std::string> {
+            try {
+                co_await p.a->send(out.all());
+            } catch (const std::system_error& e) {
+                co_return e.what();
+            }
+            co_return "";
+        };
+        return {first, io.run(next())};
     }
 };
 
 } // namespace
 
-TEST_CASE_FIXTURE(doorbell_case, "a send whose doorbell is refused after the device queued it "
-                                 "is owed: its completion ends the await, once") {
+TEST_CASE_FIXTURE(doorbell_case, "a send whose doorbell is refused after the device queued it: "
+                                 "the QP is reset, then the await throws, once, naming the verb "
+                                 "and the errno") {
     // siw's provider writes the request into the queue it shares with the kernel, then the
     // doorbell system call fails (ENOTCONN while the QP leaves RTS) naming no request bad: the
-    // request is the device's, and its completion (there a flush) names the awaiter. Before:
-    // the await threw and the completion came for a request that was gone.
+    // request is the device's, and its completion (there a flush) would name the awaiter.
+    // Before: the await threw and that completion came later, for a request that was gone.
     watchdog wd(60s, "doorbell refused");
-    int ended = 0;
-    const ibv_wc swc = exchange([&]() -> task<ibv_wc> {
-        refuse_send_doorbell refuse(1);
-        ibv_wc wc = co_await p.a->send(out.all());
-        CHECK(refuse_send_doorbell::refused() == 1);
-        ++ended;
-        co_return wc;
-    });
+    const auto [what, next] = refused_then_next(send_options{});
     CHECK(ended == 1);
-    CHECK(swc.status == IBV_WC_SUCCESS);
+    CHECK(what.find("ibv_post_send(SEND)") != std::string::npos);
+    CHECK(what.find("refused its doorbell") != std::string::npos);
     CHECK(p.a->pending() == 0);
-    // Nothing more arrives for it, and the flush bound it started ends with nothing owed.
-    auto pause = [&]() -> task<void> { co_await sleep_for(io, 100ms); };
-    io.run(pause());
-    CHECK(ended == 1);
-    CHECK(p.a->pending() == 0);
+    // Reset, so that nothing of it completes later: the next post is refused at once.
+    CHECK(next.find("was reset") != std::string::npos);
+    MESSAGE(what);
 }
 
 TEST_CASE_FIXTURE(doorbell_case, "an unsignaled send whose doorbell is refused after the device "
-                                 "queued it counts as posted") {
+                                 "queued it: the QP is reset, then the await throws") {
     watchdog wd(60s, "doorbell refused, unsignaled");
-    exchange([&]() -> task<void> {
-        refuse_send_doorbell refuse(1);
-        co_await p.a->send(out.all(), send_options{.signaled = false});
-        CHECK(refuse_send_doorbell::refused() == 1);
-    });
-    CHECK(p.a->counters().unsignaled == 1);
+    const auto [what, next] = refused_then_next(send_options{.signaled = false});
+    CHECK(ended == 1);
+    CHECK(what.find("refused its doorbell") != std::string::npos);
+    CHECK(p.a->counters().unsignaled == 0);
     CHECK(p.a->pending() == 0);
+    CHECK(next.find("was reset") != std::string::npos);
 }
 
 TEST_CASE("a qp whose queues exceed its CQ's entries is refused unless overcommit is allowed") {

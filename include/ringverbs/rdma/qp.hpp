@@ -277,9 +277,9 @@ class qp::request : detail::wr_op, detail::wait_core {
     static bool interrupted_by(wait_core* core, int reason) noexcept;
     void abandon() noexcept;
     bool post_unsignaled();
-    // A post failed with rc: true when the provider queued every request anyway (`none_bad`:
-    // only its doorbell failed), which then counts as posted; false: the caller throws.
-    bool queued_despite(int rc, bool none_bad) noexcept;
+    // Throws for a send whose doorbell was refused after the provider queued it (rc, no
+    // request named bad), once the caller has reset the QP.
+    [[noreturn]] void refused_doorbell(int rc) const;
 
     // The qp's state is alive while this request is owed a completion (a destroyed qp keeps
     // its state until then); once done, only ctx_ is touched, never qp_.

@@ -147,20 +147,23 @@ class queue_pair {
     // (ENOMEM: send queue full; EINVAL: bad request or wrong state). On failure, the requests
     // before the offending one were posted. A failure that names no request bad does not
     // throw: the provider queued every request and only its doorbell failed (siw and rxe ring
-    // it with a system call; siw refuses it with ENOTCONN while the QP leaves RTS, and flushes
-    // what its queue holds once the QP is in ERROR). Those requests complete like any posted
-    // one, so a caller that counts what it posted counts them.
+    // it with a system call: siw refuses it with ENOTCONN in any state but RTS and ERROR, e.g.
+    // while its connection ends, and flushes what its queue holds once the QP is in ERROR; rxe
+    // with EINVAL before RTS). Those requests complete like any posted one (flushed, or sent
+    // once in RTS), so a caller that counts what it posted counts them. After such a refusal
+    // siw's provider does not ring again while that request sits unprocessed, so the send
+    // queue stalls: to_error() ends what it holds.
     void post_send(ibv_send_wr& wr) {
         ibv_send_wr* bad = nullptr;
         if (const int rc = ibv_post_send(qp_.get(), &wr, &bad); rc != 0 && bad != nullptr)
             verb_check(rc, "ibv_post_send");
     }
 
-    // Posts a chain of receive work requests. Throws as post_send(), naming ibv_post_recv.
+    // Posts a chain of receive work requests. Throws as post_send(), naming ibv_post_recv (a
+    // receive has no doorbell on siw and rxe: a failure names its request, or none was queued).
     void post_recv(ibv_recv_wr& wr) {
         ibv_recv_wr* bad = nullptr;
-        if (const int rc = ibv_post_recv(qp_.get(), &wr, &bad); rc != 0 && bad != nullptr)
-            verb_check(rc, "ibv_post_recv");
+        verb_check(ibv_post_recv(qp_.get(), &wr, &bad), "ibv_post_recv");
     }
 
   private:
