@@ -1,8 +1,9 @@
-"""What the process-level tests share (tests/examples/echo_test.py and hostile_test.py,
-tests/cluster/cluster_test.py): a server process with its log, waits with a bound, and the
-kernel's count of a process's RDMA objects (restrack, through iproute2's `rdma`).
+"""What the process-level tests and the benchmarks' guest helpers share (tests/examples/echo_test.py
+and hostile_test.py, tests/cluster/cluster_test.py, tools/lib/bench_*_inside.py): a server process
+with its log, waits with a bound, a port counter, and the kernel's count of a process's RDMA
+objects (restrack, through iproute2's `rdma`).
 
-Each test puts this folder on sys.path and imports it: `import harness`."""
+Each user puts this folder on sys.path and imports it: `import harness`."""
 import json
 import os
 import re
@@ -33,15 +34,38 @@ def wait_until(cond, timeout, what, interval=0.05):
     raise Failure(f"not within {timeout}s: {what() if callable(what) else what}")
 
 
+def listening(port):
+    """Whether a TCP socket listens on `port` here (perftest's and rdma_cm's iWARP servers)."""
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return bool(out.strip())
+
+
+class Ports:
+    """Consecutive port numbers after `first`, one per server (a port just closed may linger)."""
+
+    def __init__(self, first):
+        self.last = first
+
+    def next(self):
+        self.last += 1
+        return self.last
+
+
 class Server:
     """A server process whose output goes to `log`; ready once `ready` is in it (within
-    `ready_timeout` s, else Failure). `interval`: how often the log is read while waiting."""
+    `ready_timeout` s, else it is killed and Failure). `interval`: how often the log is read
+    while waiting."""
 
     def __init__(self, cmd, log, ready="listening on", ready_timeout=20, interval=0.05):
         self.log = log
         self.interval = interval
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        self.wait_for(ready, ready_timeout)
+        try:
+            self.wait_for(ready, ready_timeout)
+        except Failure:
+            self.proc.kill()  # never ready: not left running beside what comes next
+            self.proc.wait()
+            raise
 
     def text(self):
         with open(self.log) as f:
@@ -74,6 +98,17 @@ class Server:
             raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
 
 
+    def finish(self, timeout=60):
+        """For a server that ends by itself (perftest's, after one run): its exit status, or
+        None when it did not end within `timeout` s and was killed."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
 def restrack_list(kind, runner=None, where=""):
     """The kernel's `kind` objects (qp, cq, mr, pd, cm_id) as `rdma -j resource show` lists them;
     `runner(cmd)` gives (status, stdout, stderr) for another host (default: here), `where`
@@ -88,11 +123,28 @@ def restrack_list(kind, runner=None, where=""):
     return json.loads(out or "[]")
 
 
-def restrack(pid, kinds=RDMA_KINDS):
-    """How many objects of each kind the kernel lists for process `pid` (restrack names the
-    thread that made one: any of its threads counts), or None once the process is gone."""
+def process_tasks(pid):
+    """The thread ids of process `pid` (restrack names the thread that made an object), or None
+    once it is gone."""
     try:
-        tasks = {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
     except FileNotFoundError:
         return None
+
+
+def restrack(pid, kinds=RDMA_KINDS):
+    """How many objects of each kind the kernel lists for process `pid` (any of its threads
+    counts), or None once the process is gone."""
+    tasks = process_tasks(pid)
+    if tasks is None:
+        return None
     return {kind: sum(1 for o in restrack_list(kind) if o.get("pid") in tasks) for kind in kinds}
+
+
+def registered_bytes(pid):
+    """How many bytes process `pid` has registered (the lengths of its memory regions), or None
+    once it is gone."""
+    tasks = process_tasks(pid)
+    if tasks is None:
+        return None
+    return sum(int(o.get("mrlen", 0)) for o in restrack_list("mr") if o.get("pid") in tasks)

@@ -14,58 +14,37 @@ here) against our median of half round trips; rate: MsgRate against our messages
 sender. Each side's best round makes the ratio; every round's ratio is kept."""
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 
 BIN, ROUNDS, OUT = os.path.abspath(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ON_NODE = os.path.join(TOP, "tools", "on-node")
+sys.path.insert(0, os.path.join(TOP, "tests", "support"))
+import harness  # noqa: E402  (tests/support/harness.py)
 PEER = os.environ["RINGVERBS_PEER_ADDR"]
 GID = os.environ.get("RINGVERBS_GID_INDEX", "1")
 LAT_ITERS, RATE_ITERS = 300, 4000
-port = 18700
+PORTS = harness.Ports(18700)
 
 
-def next_port():
-    global port
-    port += 1
-    return port
-
-
-def start_server(cmd, ready):
+def start_server(cmd, ready, port):
     """cmd on node 2, with $RINGVERBS_GID_INDEX its own; returns once `ready` is in its output."""
-    p = subprocess.Popen([ON_NODE, "2", "bash", "-c", 'exec "$@" 2>&1', "server", *cmd],
-                         stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    seen = ""
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        seen += line
-        if ready in line:
-            return p
-    p.kill()
-    raise RuntimeError(f"server {cmd[0]} never ready:\n{seen}")
-
-
-def finish(p):
-    try:
-        p.wait(60)
-    except subprocess.TimeoutExpired:
-        p.kill()
+    return harness.Server([ON_NODE, "2", "bash", "-c", 'exec "$@" 2>&1', "server", *cmd],
+                          f"/tmp/bench-cluster-server.{port}.log", ready=re.escape(ready),
+                          ready_timeout=60)
 
 
 def perftest(kind, tool, *args):
-    pt = next_port()
+    pt = PORTS.next()
     server = start_server(["timeout", "90", "stdbuf", "-oL", tool, "-d", "rxe0", "-x", PEER_GID, "-F", "-p", str(pt), *args],
-                          "Waiting for client")
+                          "Waiting for client", pt)
     try:
         r = subprocess.run([tool, "-d", "rxe0", "-x", GID, "-F", "-p", str(pt), *args, PEER],
                            capture_output=True, text=True, timeout=90)
     finally:
-        finish(server)
+        server.finish(60)
     lines = r.stdout.splitlines()
     row = next((lines[i + 1].split() for i, l in enumerate(lines[:-1]) if l.strip().startswith("#bytes")), None)
     if r.returncode != 0 or not row:
@@ -76,13 +55,13 @@ def perftest(kind, tool, *args):
 
 
 def ours(kind, *args):
-    pt = next_port()
-    server = start_server([BIN, kind, *args, "--listen", f"{PEER}:{pt}"], "listening on")
+    pt = PORTS.next()
+    server = start_server([BIN, kind, *args, "--listen", f"{PEER}:{pt}"], "listening on", pt)
     try:
         r = subprocess.run([BIN, kind, *args, "--connect", f"{PEER}:{pt}"], capture_output=True, text=True,
                            timeout=120)
     finally:
-        finish(server)
+        server.finish(60)
     if r.returncode != 0:
         raise RuntimeError(f"rdma_bench {kind} {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-800:]}")
     j = json.loads(r.stdout)
@@ -96,7 +75,7 @@ def attempt(fn, *args):
     for tries in (1, 2):
         try:
             return fn(*args)
-        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        except (RuntimeError, harness.Failure, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
             print(f"bench-cluster: {e}", file=sys.stderr)
     return None
 

@@ -35,6 +35,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "tests", "support"))
+import harness  # noqa: E402  (tests/support/harness.py)
+
 DEV = os.environ.get("RINGVERBS_DEVICE", "rxe0")
 GID = os.environ.get("RINGVERBS_GID_INDEX", "1")
 ADDR = os.environ.get("RINGVERBS_ADDR", "")
@@ -75,28 +79,21 @@ def run_ours(cmd, iters, wrapper, timeout):
         raise RuntimeError(f"{' '.join(full)}: exit {r.returncode}\n{r.stderr[-2000:]}")
 
 
-PORT = [18900]
-
-
-def wait_listening(port, seconds=20):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
-        if out.strip():
-            return True
-        time.sleep(0.05)
-    return False
+PORTS = harness.Ports(18900)
 
 
 def run_perftest(cmd, iters, wrapper_for, timeout):
     """perftest's server and client, each under its own wrapper (wrapper_for("server"|"client"))."""
-    PORT[0] += 1
-    args = [*cmd, "-d", DEV, "-x", GID, "-F", "-p", str(PORT[0]), "-n", str(iters)]
+    port = PORTS.next()
+    args = [*cmd, "-d", DEV, "-x", GID, "-F", "-p", str(port), "-n", str(iters)]
     server = subprocess.Popen([*wrapper_for("server"), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
-    if not wait_listening(PORT[0]):
+    # Its "Waiting for client" line may sit in a pipe buffer (under valgrind): ask the kernel.
+    try:
+        harness.wait_until(lambda: harness.listening(port), 20, f"{cmd[0]}'s server listening on {port}")
+    except harness.Failure as e:
         server.kill()
-        raise RuntimeError(f"{cmd[0]}: the server never listened on {PORT[0]}")
+        raise RuntimeError(str(e)) from e
     client = subprocess.run([*wrapper_for("client"), *args, ADDR], capture_output=True, text=True,
                             timeout=timeout)
     out, _ = server.communicate(timeout=timeout)

@@ -15,21 +15,15 @@ import subprocess
 import sys
 import time
 
+TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(TOP, "tests", "support"))
+import harness  # noqa: E402  (tests/support/harness.py)
+
 BUILD, OUT, COUNT = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ADDR = os.environ["RINGVERBS_ADDR"]
 SERVER = os.path.join(BUILD, "examples", "echo_server")
 CLIENT = os.path.join(BUILD, "examples", "echo_client")
 PORT = 18600
-
-
-def server_tasks(pid):
-    return {int(t) for t in os.listdir(f"/proc/{pid}/task")} | {pid}
-
-
-def registered_bytes(pid):
-    out = subprocess.run(["rdma", "-j", "resource", "show", "mr"], capture_output=True, text=True).stdout
-    tasks = server_tasks(pid)
-    return sum(int(o.get("mrlen", 0)) for o in json.loads(out or "[]") if o.get("pid") in tasks)
 
 
 def rss_bytes(pid):
@@ -45,8 +39,8 @@ def run_client(server, args):
     while client.poll() is None:
         try:
             peak_rss = max(peak_rss, rss_bytes(server.pid))
-            peak_reg = max(peak_reg, registered_bytes(server.pid))
-        except (OSError, ValueError, json.JSONDecodeError):
+            peak_reg = max(peak_reg, harness.registered_bytes(server.pid) or 0)
+        except (OSError, ValueError, json.JSONDecodeError, harness.Failure):
             pass
         time.sleep(0.2)
     out, err = client.communicate()
@@ -60,22 +54,18 @@ def run_client(server, args):
 
 
 def with_server(server_args, label, runs):
-    log = open(f"/tmp/bench-echo-server.{label}.log", "w")
-    server = subprocess.Popen([SERVER, "--address", ADDR, "--port", str(PORT), "--max-connections", "2048",
-                               *server_args], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while "listening" not in open(log.name).read() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    server = harness.Server([SERVER, "--address", ADDR, "--port", str(PORT), "--max-connections", "2048",
+                             *server_args], f"/tmp/bench-echo-server.{label}.log", ready="listening",
+                            interval=0.1)
     try:
         for name, args in runs:
-            r = run_client(server, args)
+            r = run_client(server.proc, args)
             r["run"] = f"{label}_{name}"
             r["server"] = " ".join(server_args)
             with open(OUT, "a") as out:
                 out.write(json.dumps(r) + "\n")
     finally:
-        server.terminate()
-        server.wait(120)
+        server.stop(timeout=120)
 
 
 for mode in ("events", "hybrid"):
