@@ -130,18 +130,25 @@ task<void> connection::watch_idle() {
                    std::to_string(limit.count()) + ")");
 }
 
+namespace {
+
+// Sets a flag for its lifetime.
+struct raised_while_alive {
+    bool& flag;
+    explicit raised_while_alive(bool& f) : flag(f) { flag = true; }
+    ~raised_while_alive() { flag = false; }
+    raised_while_alive(const raised_while_alive&) = delete;
+    raised_while_alive& operator=(const raised_while_alive&) = delete;
+};
+
+} // namespace
+
 // Awaits the client's disconnect (DREQ, or its CM gone) alongside the completions: the QP is
 // then in the error state, but only qp::to_error() arms the bound on its flushes, so a DREQ
 // whose flushes never come still closes the connection, within flush_timeout. With the SRQ
 // it also closes the connection for a failure the shared loops reported (fail()).
 task<void> connection::watch_disconnect() {
-    struct watch_scope { // watching_ while this runs, however it ends
-        bool& flag;
-        explicit watch_scope(bool& f) : flag(f) { flag = true; }
-        ~watch_scope() { flag = false; }
-        watch_scope(const watch_scope&) = delete;
-        watch_scope& operator=(const watch_scope&) = delete;
-    } const scope(watching_);
+    const raised_while_alive scope(watching_); // watching_ while this runs, however it ends
     bool gone = true;
     std::string watch_failed; // the CM events failed (not ended by us): nothing else would close
     try {

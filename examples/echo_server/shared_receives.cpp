@@ -22,6 +22,50 @@ task<void> log_device_events(echo_server& server, device_events& watch, std::str
     }
 }
 
+// Slot `slot` of the shared pool (buffers of `size` bytes), its first `length` bytes.
+local_buffer pool_slot(shared_receives& shared, std::uint32_t slot, std::uint32_t size,
+                       std::uint32_t length) {
+    return local_buffer(shared.mr,
+                        std::span(shared.pool).subspan(std::size_t{slot} * size, length));
+}
+
+// The connection of QP `qp_num`, or null once it is gone.
+connection* connection_of(shared_receives& shared, std::uint32_t qp_num) {
+    auto it = shared.by_qp.find(qp_num);
+    return it == shared.by_qp.end() ? nullptr : it->second;
+}
+
+// Echoes the message in `from` on `c` (the connection of QP `qp_num`), then tells that
+// connection how it went: looked up again, since it may have closed (and gone) meanwhile.
+task<void> echo_on(shared_receives& shared, connection* c, std::uint32_t qp_num,
+                   local_buffer from) {
+    std::string echo_failed;
+    std::optional<completion_error> cut_off;
+    ++shared.sending;
+    try {
+        ibv_wc sent = co_await c->echo(from);
+        (void)sent;
+    } catch (const connection_reset&) {
+        // Flushed by a connection end the server did not cause (fail() ignores a closing
+        // connection): on iWARP the QP fails as the client's TCP stream ends, before the
+        // DISCONNECTED event says so.
+        echo_failed = "the client disconnected";
+    } catch (const completion_error& e) {
+        cut_off = e; // named by its connection, if it is still there
+    } catch (const std::exception& e) {
+        echo_failed = std::string("echo send failed: ") + e.what();
+    }
+    --shared.sending;
+    if (connection* again = connection_of(shared, qp_num)) {
+        if (cut_off)
+            again->echo_failed(*cut_off);
+        else if (echo_failed.empty())
+            again->echoed(from.length);
+        else
+            again->fail(std::move(echo_failed));
+    }
+}
+
 // One buffer of the device's shared pool. Its receive may be taken by any connection's
 // QP (the completion names it); the message is echoed from the buffer on that connection, then
 // the buffer is posted again. Ends when the shared queue goes (its receive is flushed with no QP
@@ -30,21 +74,13 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
     // Lives until the server's end, after every shared loop (retire_shared_receives drops only
     // the queue; the flushes of its last receives may name QPs: by_qp must still be there).
     shared_receives& shared = *device.shared;
-    const auto buffer = [&](std::uint32_t length) {
-        return local_buffer(shared.mr,
-                            std::span(shared.pool).subspan(std::size_t{slot} * size, length));
-    };
-    const auto find = [&](std::uint32_t qp_num) -> connection* {
-        auto it = shared.by_qp.find(qp_num);
-        return it == shared.by_qp.end() ? nullptr : it->second;
-    };
     for (;;) {
         // retire() dropped the queue (the server's end) while a late completion was read.
         if (!shared.queue) co_return;
         ibv_wc received{};
         std::optional<completion_error> failed;
         try {
-            received = co_await shared.queue->recv(buffer(size));
+            received = co_await shared.queue->recv(pool_slot(shared, slot, size, size));
         } catch (const completion_error& e) {
             failed = e;
         } catch (const std::system_error& e) {
@@ -56,39 +92,15 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         }
         if (failed) {
             if (failed->qp_num() == 0) co_return; // the shared queue went: the server's end
-            if (connection* c = find(failed->qp_num()))
+            if (connection* c = connection_of(shared, failed->qp_num()))
                 c->fail(c->receive_failure(failed->status()));
             continue; // that connection's flush, or its oversized message: the buffer goes on
         }
-        connection* c = find(received.qp_num);
+        connection* c = connection_of(shared, received.qp_num);
         if (c == nullptr || c->closing()) continue; // its connection is gone or going: dropped
         c->received();
-        std::string echo_failed;
-        std::optional<completion_error> cut_off;
-        ++shared.sending;
-        try {
-            ibv_wc sent = co_await c->echo(buffer(received.byte_len));
-            (void)sent;
-        } catch (const connection_reset&) {
-            // Flushed by a connection end the server did not cause (fail() ignores a closing
-            // connection): on iWARP the QP fails as the client's TCP stream ends, before the
-            // DISCONNECTED event says so.
-            echo_failed = "the client disconnected";
-        } catch (const completion_error& e) {
-            cut_off = e; // named by its connection, if it is still there
-        } catch (const std::exception& e) {
-            echo_failed = std::string("echo send failed: ") + e.what();
-        }
-        --shared.sending;
-        // The connection may have closed (and gone) meanwhile: look it up again.
-        if (connection* again = find(received.qp_num)) {
-            if (cut_off)
-                again->echo_failed(*cut_off);
-            else if (echo_failed.empty())
-                again->echoed(received.byte_len);
-            else
-                again->fail(std::move(echo_failed));
-        }
+        co_await echo_on(shared, c, received.qp_num,
+                         pool_slot(shared, slot, size, received.byte_len));
     }
 }
 
