@@ -80,7 +80,7 @@ disconnect_outcome timed_disconnect(io_context& io, cm_id& id) {
 TEST_CASE_FIXTURE(listening,
                   "self-connect: one event channel listens and connects; private data both ways; "
                   "a verified message; disconnect seen by the other side") {
-    CHECK(ntohs(at.sin_port) == listener.local_port());
+    CHECK(listener.local_port() != 0); // bound: the kernel picked a port
     region out(pd, 4096), in(pd, 4096);
     fill(out.bytes, 77);
     const auto hello = bytes_of("hello from the connector");

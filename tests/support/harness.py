@@ -63,8 +63,7 @@ class Server:
         try:
             self.wait_for(ready, ready_timeout)
         except Failure:
-            self.proc.kill()  # never ready: not left running beside what comes next
-            self.proc.wait()
+            self.end()  # never ready: not left running beside what comes next
             raise
 
     def text(self):
@@ -98,14 +97,24 @@ class Server:
             raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
 
 
+    def end(self, grace=5):
+        """SIGTERM (which tools/on-node passes on to the other node; SIGKILL would leave the
+        remote process running), SIGKILL after `grace` s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
     def finish(self, timeout=60):
         """For a server that ends by itself (perftest's, after one run): its exit status, or
-        None when it did not end within `timeout` s and was killed."""
+        None when it did not end within `timeout` s and was ended (end())."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.end()
             return None
 
 

@@ -53,19 +53,30 @@ def run_client(server, args):
     return r
 
 
+def write_row(label, name, server_args, r):
+    r["run"] = f"{label}_{name}"
+    r["server"] = " ".join(server_args)
+    with open(OUT, "a") as out:
+        out.write(json.dumps(r) + "\n")
+
+
 def with_server(server_args, label, runs):
-    server = harness.Server([SERVER, "--address", ADDR, "--port", str(PORT), "--max-connections", "2048",
-                             *server_args], f"/tmp/bench-echo-server.{label}.log", ready="listening",
-                            interval=0.1)
+    try:
+        server = harness.Server([SERVER, "--address", ADDR, "--port", str(PORT), "--max-connections", "2048",
+                                 *server_args], f"/tmp/bench-echo-server.{label}.log", ready="listening",
+                                interval=0.1)
+    except harness.Failure as e:  # its rows say so; the other configurations still run
+        for name, _ in runs:
+            write_row(label, name, server_args, {"error": f"server never ready: {str(e)[-300:]}"})
+        return
     try:
         for name, args in runs:
-            r = run_client(server.proc, args)
-            r["run"] = f"{label}_{name}"
-            r["server"] = " ".join(server_args)
-            with open(OUT, "a") as out:
-                out.write(json.dumps(r) + "\n")
+            write_row(label, name, server_args, run_client(server.proc, args))
     finally:
-        server.stop(timeout=120)
+        try:
+            server.stop(timeout=120)
+        except harness.Failure as e:
+            print(f"bench-echo: {e}", file=sys.stderr)
 
 
 for mode in ("events", "hybrid"):
