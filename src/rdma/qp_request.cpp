@@ -49,19 +49,16 @@ void qp::request::post() {
         }
         last->send_flags |= IBV_SEND_SIGNALED;
         if (qp_->send_cq->solicited_only &&
-            qp_->send_cq->channel->options.mode != polling_mode::busy) {
-            qp_->posted_in_error = false; // not posted: nothing to bound
+            qp_->send_cq->channel->options.mode != polling_mode::busy)
             throw_system_error(EINVAL,
                                std::string(name_) +
                                    ": the qp's send CQ is armed solicited-only, where a send "
                                    "completion raises no event: this await could wait for "
                                    "ever. Give the sends a CQ without "
                                    "cq_options::solicited_only, or use busy polling");
-        }
         ibv_send_wr* bad = nullptr;
         int rc = hooks().post_send(qp_->qp.native(), head, &bad);
         if (rc != 0) [[unlikely]] {
-            qp_->posted_in_error = false; // nothing of it is owed after the throw
             if (bad == nullptr) {
                 abandon(); // all of it queued: it names this awaiter
                 refused_doorbell(rc);
@@ -79,7 +76,6 @@ void qp::request::post() {
         ibv_recv_wr* bad = nullptr;
         int rc = hooks().post_recv(qp_->qp.native(), head, &bad);
         if (rc != 0) [[unlikely]] {
-            qp_->posted_in_error = false;
             if (head->next != nullptr && bad != head) abandon();
             throw_system_error(verbs::verb_errno(rc), name_);
         }
@@ -128,7 +124,6 @@ bool qp::request::post_unsignaled() {
     ibv_send_wr* bad = nullptr;
     int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
     if (rc != 0) [[unlikely]] {
-        q.posted_in_error = false;
         if (bad == nullptr) {
             // Queued all the same: its completion names the sink (forced) or the CQ's
             // unsignaled op, never this request. Count the sink's as owed, so that the reset's

@@ -175,6 +175,9 @@ void qp_state::to_error() noexcept {
 }
 
 void qp_state::posting_while_in_error(const char* verb) {
+    // A mark left by an earlier post that failed after this probe is for nobody: only the
+    // probe sets it, and a post can reach a healthy QP's fast path again only through it.
+    posted_in_error = false;
     if (lost)
         throw_system_error(ENODEV, std::string(verb) + ": the RDMA device is gone (" + lost +
                                        "): nothing can be posted any more");

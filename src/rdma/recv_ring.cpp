@@ -20,10 +20,8 @@ void recv_ring_state::post(std::uint32_t i) {
     qp->before_post("ibv_post_recv (recv_ring)");
     ibv_recv_wr* bad = nullptr;
     s.wr.next = nullptr;
-    if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0) {
-        qp->posted_in_error = false; // not posted: nothing to bound
+    if (const int rc = hooks().post_recv(qp->qp.native(), &s.wr, &bad); rc != 0)
         throw_system_error(verbs::verb_errno(rc), "ibv_post_recv (recv_ring)");
-    }
     s.posted = true;
     s.done = false;
     qp->link(&s);
