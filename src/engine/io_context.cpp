@@ -188,8 +188,17 @@ io_context::~io_context() {
 }
 
 io_uring_sqe* io_context::get_sqe(unsigned reserve) {
+    room_for(reserve);
+    return io_uring_get_sqe(&ring_);
+}
+
+// Makes room for `count` SQEs besides the held-back ones, submitting what is queued when the
+// ring is too full.
+void io_context::room_for(unsigned count) {
     for (int attempt = 0;; ++attempt) {
-        if (io_uring_sq_space_left(&ring_) >= reserve) return io_uring_get_sqe(&ring_);
+        if (io_uring_sq_space_left(&ring_) >= count + reserved_) return;
+        if (count + reserved_ > ring_.sq.ring_entries) // no submission could make that room
+            throw_system_error(ENOBUFS, "io_uring_get_sqe");
         if (attempt == 0) ++counters_.sq_full;
         enable_ring();
         int r = detail::io_uring_hooks().submit(&ring_);

@@ -156,8 +156,8 @@ bool qp::request::post_unsignaled() {
 
 void qp::request::await_suspend(std::coroutine_handle<> h) {
     // Everything that can throw comes before the request is posted (a throw after it would
-    // leave a posted request behind an awaiter about to go): the timer's SQE first.
-    io_uring_sqe* timer = nullptr;
+    // leave a posted request behind an awaiter about to go): room for the timer's SQE first.
+    bool timer = false;
     try {
         timer = reserve_timer(*ctx_, options_);
     } catch (...) {
@@ -168,7 +168,7 @@ void qp::request::await_suspend(std::coroutine_handle<> h) {
     try {
         post();
     } catch (...) {
-        unreserve(timer);
+        unreserve(*ctx_, timer);
         throw;
     }
     begin_wait(*ctx_, options_, timer, h, &qp::request::interrupted_by);

@@ -224,7 +224,7 @@ void srq::request::await_suspend(std::coroutine_handle<> h) {
         throw_system_error(verbs::verb_errno(rc), "ibv_post_srq_recv"); // nothing posted
     state_->link(this);
     // No deadline, no stop: a posted SRQ receive cannot be recalled (see srq).
-    begin_wait(*ctx_, wait_options{}, nullptr, h, &request::never_interrupted);
+    begin_wait(*ctx_, wait_options{}, false, h, &request::never_interrupted);
 }
 
 void srq::request::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {

@@ -406,3 +406,42 @@ TEST_CASE("get_sqe() under a refused submission sets CQEs aside; their handlers 
     io.run_once(false);
     CHECK(order.size() == 3);
 }
+
+TEST_CASE("a held-back SQE slot is taken only when prepared: a submission that makes room for "
+          "others never sends it stale") {
+    io_context io;
+    io.run_once(false); // the ring enabled
+    io_uring* ring = ringverbs::detail::loop(io).native_ring();
+    struct counted : ringverbs::detail::operation {
+        int cqes = 0;
+    } stale, held;
+    stale.on_cqe = held.on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
+        ++static_cast<counted*>(self)->cqes;
+    };
+    // One free slot left, holding a NOP that names `stale` (a slot used before is not cleared).
+    while (io_uring_sq_space_left(ring) > 1) {
+        io_uring_sqe* s = io_uring_get_sqe(ring);
+        io_uring_prep_nop(s);
+        io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
+    }
+    io_uring_sqe* s = io_uring_get_sqe(ring);
+    io_uring_prep_nop(s);
+    io_uring_sqe_set_data(s, static_cast<ringverbs::detail::operation*>(&stale));
+    --ring->sq.sqe_tail;
+    auto l = ringverbs::detail::loop(io);
+    l.reserve_sqe(); // the last slot, held back
+    const auto full_before = io.counters().sq_full;
+    io_uring_sqe* other = l.get_sqe(); // no room besides it: submits the fillers first
+    CHECK(io.counters().sq_full == full_before + 1);
+    io_uring_prep_nop(other);
+    io_uring_sqe_set_data64(other, ringverbs::detail::ignored_user_data);
+    io_uring_sqe* mine = l.take_reserved_sqe();
+    REQUIRE(mine != nullptr);
+    CHECK(mine != other);
+    io_uring_prep_nop(mine);
+    io_uring_sqe_set_data(mine, static_cast<ringverbs::detail::operation*>(&held));
+    for (int i = 0; i < 100 && held.cqes == 0; ++i)
+        io.run_once(false);
+    CHECK(held.cqes == 1);
+    CHECK(stale.cqes == 0);
+}

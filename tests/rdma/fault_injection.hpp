@@ -298,6 +298,29 @@ class refuse_submission {
     decltype(ringverbs::detail::uring_hooks::submit) saved_ = nullptr;
 };
 
+// Leaves exactly one SQE free in `io`'s submission ring (the rest taken by NOPs nobody waits
+// for) and makes that free slot stale, as a slot the ring used before is: it holds a NOP naming
+// this object, so a submission of the slot before anyone prepared it again is counted.
+// (io_uring_get_sqe does not clear a slot; the test gives it back through the ring's tail.)
+struct one_stale_sqe : ringverbs::detail::operation {
+    int submitted_stale = 0;
+    explicit one_stale_sqe(ringverbs::io_context& io) noexcept {
+        on_cqe = [](operation* self, int, unsigned) noexcept {
+            ++static_cast<one_stale_sqe*>(self)->submitted_stale;
+        };
+        io_uring* ring = ringverbs::detail::loop(io).native_ring();
+        while (io_uring_sq_space_left(ring) > 1) {
+            io_uring_sqe* sqe = io_uring_get_sqe(ring);
+            io_uring_prep_nop(sqe);
+            io_uring_sqe_set_data64(sqe, 0);
+        }
+        io_uring_sqe* stale = io_uring_get_sqe(ring);
+        io_uring_prep_nop(stale);
+        io_uring_sqe_set_data(stale, static_cast<operation*>(this));
+        --ring->sq.sqe_tail; // free again, its content left as it is
+    }
+};
+
 // Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a
 // failure with a message instead of a CI timeout.
 class watchdog {

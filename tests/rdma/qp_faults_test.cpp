@@ -14,6 +14,7 @@
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <thread>
 #include <utility>
 
 using namespace rt;
@@ -635,5 +636,37 @@ TEST_CASE("a timed await that gets no SQE for its timer throws before posting: n
     CHECK(what.find("io_uring_submit") != std::string::npos);
     CHECK(p.b->pending() == 0);
     CHECK(ready_state(*p.b));
+    CHECK(io.waiters() == 0);
+}
+
+TEST_CASE("a timed request posted in the error state with one SQE left: its timer reaches the "
+          "kernel, no stale SQE is submitted, the await ends once") {
+    watchdog wd(60s, "one SQE left");
+    device dev;
+    io_context io;
+    pair p(dev, io);
+    region in(dev.pd, 64);
+    io.run_once(false); // the ring enabled
+    p.b->to_error();
+    // The request takes the last SQE for its timer; posting it in the error state arms the
+    // QP's flush bound, which needs an SQE too and submits the ring to get one.
+    std::optional<one_stale_sqe> stale;
+    outcome o;
+    auto t = [&]() -> task<void> {
+        stale.emplace(io);
+        co_await await_recv(*p.b, in.all(), wait_options(30s), o);
+    };
+    io.spawn(t());
+    // The flush (or its 200 ms bound) decides it; the timer's cancel then resumes it.
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (o.ended == 0 && std::chrono::steady_clock::now() < deadline) {
+        io.run_once(false);
+        std::this_thread::sleep_for(1ms);
+    }
+    CHECK(stale->submitted_stale == 0);
+    REQUIRE(o.ended == 1);
+    CHECK((o.status == IBV_WC_WR_FLUSH_ERR || o.code == std::errc::io_error));
+    io.run();
+    CHECK(p.b->pending() == 0);
     CHECK(io.waiters() == 0);
 }

@@ -180,7 +180,22 @@ class io_context {
     // queued requests first when the ring is too full. Runs no CQE's handler: when submitting
     // is refused for want of room in the completion ring, its CQEs are set aside for the next
     // reap. Throws std::system_error naming io_uring_submit (ENOMEM when even that fails).
+    // Slots held back by reserve_sqe() are never handed out here.
     io_uring_sqe* get_sqe(unsigned reserve = 1);
+    // Holds back one SQE slot, to be taken later with take_reserved_sqe() (which cannot fail)
+    // or given back with release_reserved_sqe(), submitting first when the ring is too full;
+    // throws as get_sqe() does. Between the two, get_sqe() may submit what is queued: a slot
+    // taken early (io_uring_get_sqe) and prepared late could go to the kernel unprepared,
+    // stale; a held-back slot is taken only when it is prepared.
+    void reserve_sqe() {
+        room_for(1);
+        ++reserved_;
+    }
+    io_uring_sqe* take_reserved_sqe() noexcept {
+        --reserved_;
+        return io_uring_get_sqe(&ring_);
+    }
+    void release_reserved_sqe() noexcept { --reserved_; }
     // Counts one more operation that owes a final CQE; finish_operation() when it arrives.
     // Operations are work: run() does not return while one is in flight.
     void start_operation() noexcept { ++in_flight_; }
@@ -213,6 +228,7 @@ class io_context {
     friend struct detail::root_promise;
 
     void submit_and_reap(bool wait, bool spinning);
+    void room_for(unsigned count);
     void enable_ring();
     void reap();
     void set_cqes_aside();
@@ -228,6 +244,7 @@ class io_context {
 
     io_uring ring_{};
     unsigned setup_flags_ = 0;
+    unsigned reserved_ = 0; // SQE slots held back by reserve_sqe()
     io_context_counters counters_;
     int wake_fd_ = -1;
     bool shutting_down_ = false;
@@ -269,6 +286,9 @@ class io_context_access {
   public:
     explicit io_context_access(io_context& ctx) noexcept : ctx_(&ctx) {}
     io_uring_sqe* get_sqe(unsigned reserve = 1) { return ctx_->get_sqe(reserve); }
+    void reserve_sqe() { ctx_->reserve_sqe(); }
+    io_uring_sqe* take_reserved_sqe() noexcept { return ctx_->take_reserved_sqe(); }
+    void release_reserved_sqe() noexcept { ctx_->release_reserved_sqe(); }
     void start_operation() noexcept { ctx_->start_operation(); }
     void finish_operation() noexcept { ctx_->finish_operation(); }
     void start_background() noexcept { ctx_->start_background(); }

@@ -42,29 +42,34 @@ class wait_core : operation {
     wait_core(const wait_core&) = delete;
     wait_core& operator=(const wait_core&) = delete;
 
-    // The SQE of the deadline's timer, or nullptr without a timeout. Throws std::system_error
-    // naming io_uring_submit (a full submission ring that cannot be submitted): call it
-    // before the wait is linked anywhere or anything is posted.
-    static io_uring_sqe* reserve_timer(io_context& ctx, const wait_options& options) {
-        return options.timeout == wait_options::no_timeout ? nullptr : detail::loop(ctx).get_sqe();
+    // Holds back the SQE slot of the deadline's timer (true), or nothing without a timeout
+    // (false). Throws std::system_error naming io_uring_submit (a full submission ring that
+    // cannot be submitted): call it before the wait is linked anywhere or anything is posted.
+    // The slot is taken only in begin_wait(), when the timer is prepared: whatever submits the
+    // ring in between (the owner's post arming a flush bound, a reset cancelling timers) never
+    // sends the kernel a slot not prepared yet.
+    static bool reserve_timer(io_context& ctx, const wait_options& options) {
+        if (options.timeout == wait_options::no_timeout) return false;
+        detail::loop(ctx).reserve_sqe();
+        return true;
     }
-    // Gives back an SQE reserve_timer() took when the wait is not started after all.
-    static void unreserve(io_uring_sqe* sqe) noexcept {
-        if (sqe == nullptr) return;
-        io_uring_prep_nop(sqe);
-        io_uring_sqe_set_data64(sqe, ignored_user_data);
+    // Gives back what reserve_timer() held when the wait is not started after all.
+    static void unreserve(io_context& ctx, bool reserved) noexcept {
+        if (reserved) detail::loop(ctx).release_reserved_sqe();
     }
 
-    // Starts waiting with the SQE from reserve_timer(). Never throws. The stop callback may run
-    // at once (stop already requested): the owner must be ready for interrupt by then.
-    void begin_wait(io_context& ctx, const wait_options& options, io_uring_sqe* timer_sqe,
+    // Starts waiting, with the timer reserve_timer() made room for. Never throws. The stop
+    // callback may run at once (stop already requested): the owner must be ready for
+    // interrupt by then.
+    void begin_wait(io_context& ctx, const wait_options& options, bool timer_reserved,
                     std::coroutine_handle<> h, interrupt_fn interrupt) noexcept {
         ctx_ = &ctx;
         handle_ = h;
         interrupt_ = interrupt;
         phase_ = phase::waiting;
         detail::loop(ctx).add_waiter();
-        if (timer_sqe != nullptr) {
+        if (timer_reserved) {
+            io_uring_sqe* timer_sqe = detail::loop(ctx).take_reserved_sqe();
             ts_ = to_kernel_timespec(options.timeout);
             io_uring_prep_timeout(timer_sqe, &ts_, 0, 0);
             io_uring_sqe_set_data(timer_sqe, static_cast<operation*>(this));

@@ -34,7 +34,7 @@ class waiter : wait_core {
                void* source, detach_fn detach) {
         source_ = source;
         detach_ = detach;
-        io_uring_sqe* timer = nullptr;
+        bool timer = false;
         try {
             timer = reserve_timer(ctx, options);
         } catch (...) {
