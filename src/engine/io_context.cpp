@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
@@ -71,7 +72,8 @@ io_context::io_context(io_context_options options) {
             io_uring_params p{};
             p.flags = b | extra;
             p.cq_entries = options.cq_entries;
-            int r = io_uring_queue_init_params(options.sq_entries, &ring_, &p);
+            // At least 4: a timed wait holds one slot back while its post may take two.
+            int r = io_uring_queue_init_params(std::max(options.sq_entries, 4u), &ring_, &p);
             if (r == 0) {
                 setup_flags_ = p.flags & ~unsigned{IORING_SETUP_R_DISABLED};
                 ring_disabled_ = (p.flags & IORING_SETUP_R_DISABLED) != 0;

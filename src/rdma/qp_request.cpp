@@ -154,7 +154,7 @@ bool qp::request::post_unsignaled() {
     return true;
 }
 
-void qp::request::await_suspend(std::coroutine_handle<> h) {
+bool qp::request::await_suspend(std::coroutine_handle<> h) {
     // Everything that can throw comes before the request is posted (a throw after it would
     // leave a posted request behind an awaiter about to go): room for the timer's SQE first.
     bool timer = false;
@@ -171,7 +171,14 @@ void qp::request::await_suspend(std::coroutine_handle<> h) {
         unreserve(*ctx_, timer);
         throw;
     }
+    if (stage_ == stage::done) [[unlikely]] {
+        // Ended inside its own post: the flush bound it armed found no SQE, so the QP was
+        // reset and what it owed ended, this request too. No wait: nothing would decide it.
+        unreserve(*ctx_, timer);
+        return false;
+    }
     begin_wait(*ctx_, options_, timer, h, &qp::request::interrupted_by);
+    return true;
 }
 
 // This awaiter goes while requests it posted are owed (post() failed part-way through a

@@ -298,6 +298,26 @@ class refuse_submission {
     decltype(ringverbs::detail::uring_hooks::submit) saved_ = nullptr;
 };
 
+// The next `count` io_uring submissions fail with EBUSY (the completion ring full, as the
+// kernel says), while it lives; later ones go through.
+class refuse_submits {
+  public:
+    explicit refuse_submits(int count) noexcept {
+        left_ = count;
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring* ring) noexcept {
+            return left_-- > 0 ? -EBUSY : saved_(ring);
+        };
+    }
+    ~refuse_submits() { ringverbs::detail::io_uring_hooks().submit = saved_; }
+    refuse_submits(const refuse_submits&) = delete;
+    refuse_submits& operator=(const refuse_submits&) = delete;
+
+  private:
+    static inline int left_ = 0;
+    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_ =
+        ringverbs::detail::io_uring_hooks().submit;
+};
+
 // Leaves exactly one SQE free in `io`'s submission ring (the rest taken by NOPs nobody waits
 // for) and makes that free slot stale, as a slot the ring used before is: it holds a NOP naming
 // this object, so a submission of the slot before anyone prepared it again is counted.

@@ -648,8 +648,8 @@ TEST_CASE("a timed request posted in the error state with one SQE left: its time
     region in(dev.pd, 64);
     io.run_once(false); // the ring enabled
     p.b->to_error();
-    // The request takes the last SQE for its timer; posting it in the error state arms the
-    // QP's flush bound, which needs an SQE too and submits the ring to get one.
+    // The request holds the last SQE back for its timer; posting it in the error state arms
+    // the QP's flush bound, which needs an SQE too and submits the ring to get one.
     std::optional<one_stale_sqe> stale;
     outcome o;
     auto t = [&]() -> task<void> {
@@ -667,6 +667,52 @@ TEST_CASE("a timed request posted in the error state with one SQE left: its time
     REQUIRE(o.ended == 1);
     CHECK((o.status == IBV_WC_WR_FLUSH_ERR || o.code == std::errc::io_error));
     io.run();
+    CHECK(o.ended == 1);
     CHECK(p.b->pending() == 0);
     CHECK(io.waiters() == 0);
+}
+
+// Review helper-34 (stop 35): a request could end inside its own post, before its wait began
+// (the flush bound armed by a post in the error state found no SQE: the QP was reset, ending
+// what it owed, this request too). The wait then began on a request already done, which
+// nothing would ever decide: the await never ended.
+TEST_CASE("a request that ends inside its own post (no SQE for the flush bound: the QP reset) "
+          "ends its await at once") {
+    watchdog wd(60s, "ended inside its post");
+    for (const bool timed : {false, true}) {
+        CAPTURE(timed);
+        device dev;
+        io_context io;
+        pair p(dev, io);
+        region in(dev.pd, 64);
+        io.run_once(false); // the ring enabled
+        p.b->to_error();
+        std::optional<one_stale_sqe> one_left;
+        outcome o;
+        auto t = [&]() -> task<void> {
+            one_left.emplace(io);
+            if (!timed) { // no slot held back for a timer: the last one taken here
+                io_uring_sqe* last = io_uring_get_sqe(detail::loop(io).native_ring());
+                io_uring_prep_nop(last);
+                io_uring_sqe_set_data64(last, 0);
+            }
+            // get_sqe gives up after 1,000 refused submissions: the flush bound's throws.
+            refuse_submits refused(1001);
+            co_await await_recv(*p.b, in.all(), timed ? wait_options(30s) : wait_options(), o);
+        };
+        io.spawn(t());
+        const auto deadline = std::chrono::steady_clock::now() + 10s;
+        while (o.ended == 0 && std::chrono::steady_clock::now() < deadline) {
+            io.run_once(false);
+            std::this_thread::sleep_for(1ms);
+        }
+        REQUIRE(o.ended == 1);
+        MESSAGE(o.what);
+        CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
+        io.run();
+        CHECK(o.ended == 1);
+        CHECK(p.b->pending() == 0);
+        CHECK(io.waiters() == 0);
+        CHECK(one_left->submitted_stale == 0);
+    }
 }

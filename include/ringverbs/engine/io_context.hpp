@@ -58,7 +58,8 @@ struct io_context_counters {
 };
 
 struct io_context_options {
-    unsigned sq_entries = 256;  // submission ring size; a full ring is submitted, never an error
+    // Submission ring size (at least 4); a full ring is submitted, never an error.
+    unsigned sq_entries = 256;
     unsigned cq_entries = 4096; // completion ring size; the kernel queues overflow (NODROP)
     // Ask for IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN (fewer interrupts and context
     // switches). The context falls back to COOP_TASKRUN and then to no flags when the kernel
@@ -179,8 +180,9 @@ class io_context {
     // take those with io_uring_get_sqe(native_ring()), which cannot fail then), submitting
     // queued requests first when the ring is too full. Runs no CQE's handler: when submitting
     // is refused for want of room in the completion ring, its CQEs are set aside for the next
-    // reap. Throws std::system_error naming io_uring_submit (ENOMEM when even that fails).
-    // Slots held back by reserve_sqe() are never handed out here.
+    // reap. Throws std::system_error naming io_uring_submit (ENOMEM when even that fails;
+    // EBUSY after 1,000 refusals). Slots held back by reserve_sqe() are never handed out here
+    // (ENOBUFS naming io_uring_get_sqe when the ring could never hold them and `reserve`).
     io_uring_sqe* get_sqe(unsigned reserve = 1);
     // Holds back one SQE slot, to be taken later with take_reserved_sqe() (which cannot fail)
     // or given back with release_reserved_sqe(), submitting first when the ring is too full;

@@ -253,7 +253,8 @@ class qp::request : detail::wr_op, detail::wait_core {
         }
         return stage_ == stage::done;
     }
-    void await_suspend(std::coroutine_handle<> h);
+    // Does not suspend when the request ended inside its own post (the QP reset meanwhile).
+    bool await_suspend(std::coroutine_handle<> h);
     ibv_wc await_resume();
 
   private:
