@@ -280,8 +280,11 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     } catch (const std::exception& e) {
         diagnose("%s", e.what());
     }
-    in_error = false; // RESET now; connecting it again is the user's
     reset_by_us = true;
+    // Until what it owed has ended, it counts as moved to the error state by us: the flushes
+    // below are this reset's, not an iWARP connection's end (flushed_by_closed_connection),
+    // and a handler's to_error() does not move a QP in RESET back to ERR.
+    in_error = true;
     // What the device delivered before the reset names live awaiters: dispatch it.
     send_cq->channel->drain_cq(*send_cq);
     if (recv_cq != send_cq) recv_cq->channel->drain_cq(*recv_cq);
@@ -293,6 +296,7 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
         wr_op* op = pending;
         op->on_wc(op, wc, true);
     }
+    in_error = false; // RESET now; connecting it again is the user's
 }
 
 void qp_state::mark_cut_off(int err, bool by_srq) noexcept {

@@ -1,6 +1,7 @@
 // connect() and listener on a real RDMA device: the process connects to itself over the test
 // device's address; what the connections share, their errors, their ends.
 #include "cm_fixture.hpp"
+#include "fault_injection.hpp"
 
 #include <ringverbs/cm/connection.hpp>
 #include <ringverbs/cm/detail/cm_hooks.hpp>
@@ -1144,6 +1145,55 @@ TEST_CASE_FIXTURE(
         CHECK(c2.completions().native()->channel->fd != fd);
         co_await exchange(c2, s2, 33, wait_options(5s));
         co_await exchange(s2, c2, 34, wait_options(5s));
+    };
+    io.run(run());
+}
+
+// Review helper-33 (stop 34): qp_state::reset() marked the QP out of the error state before it
+// ended what was owed, so on an iWARP connection (where a flush of a QP nobody moved to error
+// reads as the connection's end) what the runtime's own reset flushed read as connection_reset.
+TEST_CASE_FIXTURE(serving, "a send whose doorbell is refused resets the QP: the connection's other "
+                           "requests end flushed, not as a connection reset") {
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        std::vector<std::byte> buf(256);
+        verbs::memory_region mr(c.pd(), buf), peer_mr(s.pd(), buf);
+        auto peer = s.recv(local_buffer(peer_mr, std::span(buf).subspan(128)), wait_options(10s));
+        peer.post(); // the send, which really goes out, lands in it
+        auto r = c.recv(local_buffer(mr, std::span(buf).first(64)));
+        r.post();
+        std::string sent;
+        {
+            refuse_send_doorbell refused(1);
+            try {
+                co_await c.send(local_buffer(mr, std::span(buf).subspan(64, 64)));
+            } catch (const std::system_error& e) {
+                sent = e.what();
+            }
+        }
+        CHECK(contains(sent, "refused its doorbell"));
+        std::string received;
+        int code = 0;
+        ibv_wc_status status = IBV_WC_SUCCESS;
+        try {
+            (void)co_await r;
+        } catch (const completion_error& e) {
+            status = e.status();
+            code = e.code().value();
+            received = e.what();
+        } catch (const std::system_error& e) {
+            code = e.code().value();
+            received = e.what();
+        }
+        MESSAGE(received);
+        CHECK(code != ECONNRESET); // nobody closed the connection
+        CHECK(!contains(received, "connection was closed"));
+        CHECK(status == IBV_WC_WR_FLUSH_ERR);
+        try {
+            (void)co_await peer;
+        } catch (const std::exception&) {
+            // the peer's receive may end either way: not what this case is about
+        }
     };
     io.run(run());
 }
