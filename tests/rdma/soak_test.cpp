@@ -435,10 +435,18 @@ class soak {
             fill(out.subspan(sizeof seq), seq);
             std::memset(p.in->bytes.data() + off, 0, msg);
             auto r = p.b->recv(p.in->local(off, msg), wait_options(p.stop.get_token()));
+            bool posted = true;
             try {
                 r.post();
             } catch (const std::system_error&) {
                 ++t.not_posted; // nothing posted, nothing owed
+                posted = false;
+            }
+            if (!posted) {
+                // Not at once again: a QP the runtime reset refuses every post, and the
+                // stream whose failure ends the epoch (p.over) may still be queued to resume
+                // behind this one, which would spin without ever suspending.
+                co_await nap(io_, std::chrono::microseconds(100));
                 continue;
             }
             const std::uint64_t rid = t.open();
