@@ -67,11 +67,16 @@ configure() { # dir, compiler, extra meson args...
     ninja -C "$dir"
 }
 
+# A step's header line, with the time since test.sh began: where a run's minutes go.
+stage() {
+    echo "=== $* (at ${SECONDS} s)"
+}
+
 # run_suite NAME BUILD_DIR "SUITE [SUITE...]" [vm|vm-6.12|vm-siw|cluster]
 run_suite() {
     local name=$1 dir=$2 suites=$3 where=${4:-host} rc=0 s
     echo
-    echo "=== $name: suite(s) '$suites' ($where)"
+    stage "$name: suite(s) '$suites' ($where)"
     local cmd=(meson test -C "$dir" --no-rebuild --print-errorlogs --logbase "$name" --num-processes 2)
     for s in $suites; do cmd+=(--suite "$s"); done
     if [ "$where" = vm ]; then
@@ -146,7 +151,7 @@ sys.exit(1 if counts["failed"] else 0)
 PY
 }
 
-echo "=== GCC build (build/)"
+stage "GCC build (build/)"
 configure build g++ --buildtype=debugoptimized
 if [ "$quick" = 1 ]; then
     run_suite engine-gcc build engine
@@ -210,15 +215,16 @@ show_result hostile siw mv
 run_suite cluster-gcc build cluster cluster
 
 echo
-echo "=== engine benchmark (ours vs liburing vs epoll; fails if the steady state allocates)"
+stage "engine benchmark (ours vs liburing vs epoll; fails if the steady state allocates)"
 if ! build/tests/bench/engine_bench build/bench-results 50000; then
     failed "engine benchmark" "see above"
 fi
 
 echo
-echo "=== cost per message, counted (tools/bench-cost: user-space instructions by callgrind and"
-echo "    system calls by strace, per message and side of the 2-byte ping-pong, ours next to raw"
-echo "    verbs and ib_send_lat; fails when ours exceeds tools/cost-budget.json)"
+stage "cost per message, counted"
+echo "    (tools/bench-cost: user-space instructions by callgrind and system calls by strace, per"
+echo "    message and side of the 2-byte ping-pong, ours next to raw verbs and ib_send_lat; fails"
+echo "    when ours exceeds tools/cost-budget.json)"
 rc=0
 tools/bench-cost || rc=$?
 case $rc in
@@ -230,7 +236,7 @@ case $rc in
 esac
 
 echo
-echo "=== Clang + ASan/UBSan build (build-asan/)"
+stage "Clang + ASan/UBSan build (build-asan/)"
 # clang 14 miscompiles -fsanitize=function with coroutines ("Cannot represent a difference
 # across sections"); the rest of UBSan stays on.
 configure build-asan clang++ --buildtype=debugoptimized -Db_sanitize=address,undefined \
@@ -247,7 +253,7 @@ if [ -f build-asan/bench-results/hostile.json ]; then
 fi
 
 echo
-echo "=== Clang + ThreadSanitizer (build-tsan/): the engine tests where threads meet"
+stage "Clang + ThreadSanitizer (build-tsan/): the engine tests where threads meet"
 if [ ! -f build-tsan/build.ninja ]; then
     CXX=clang++ meson setup build-tsan -Dwerror=true --buildtype=debugoptimized -Db_sanitize=thread \
         -Db_lundef=false -Dcpp_args=-fno-sanitize=function -Dcpp_link_args=-fno-sanitize=function
@@ -262,10 +268,10 @@ cp build-tsan/meson-logs/engine-tsan.json "$logs/" 2>/dev/null || true
 [ $rc -eq 0 ] || failed engine-tsan "exit $rc"
 
 echo
-echo "=== ThreadSanitizer on a device: the rdma cases where threads meet (doctest suite 'threads':"
-echo "    events routed to another thread's cq and srq, two threads with their own contexts), and"
-echo "    echo_test's 'threads' case (echo_server --threads 2: 16 connections over both threads,"
-echo "    a SIGTERM with connections open on both), in one VM boot"
+stage "ThreadSanitizer on a device: the rdma cases where threads meet"
+echo "    (doctest suite 'threads': events routed to another thread's cq and srq, two threads with"
+echo "    their own contexts), and echo_test's 'threads' case (echo_server --threads 2: 16"
+echo "    connections over both threads, a SIGTERM with connections open on both), in one VM boot"
 tsan_rdma=(rdma_device_events rdma_srq rdma_channel)
 # shellcheck disable=SC2046 # word splitting wanted: one target per test
 ninja -C build-tsan $(printf 'tests/rdma/%s_test ' "${tsan_rdma[@]}") examples/echo_server \
@@ -290,4 +296,5 @@ esac
 
 echo
 summarize
+echo "test.sh: ${SECONDS} s in all"
 exit $status
