@@ -20,10 +20,6 @@ poll_stream::~poll_stream() {
     s->watch->release(); // cancelled; the watch frees itself on the kernel's last CQE
 }
 
-void poll_stream::detach(void* source, detail::waiter* w) noexcept {
-    static_cast<state*>(source)->waiters.remove(w);
-}
-
 // What arrived goes to the first waiter (or waits in `pending` for the next one).
 void poll_stream::ready(void* owner, unsigned revents) noexcept {
     auto* s = static_cast<state*>(owner);

@@ -206,8 +206,4 @@ cq::~cq() {
     state_->count = 0;
 }
 
-void cq::detach(void* source, detail::waiter* w) noexcept {
-    static_cast<detail::cq_state*>(source)->waiters.remove(w);
-}
-
 } // namespace ringverbs

@@ -94,7 +94,6 @@ class poll_stream {
 
     static void ready(void* owner, unsigned revents) noexcept;
     static void failed(void* owner, int err) noexcept;
-    static void detach(void* source, detail::waiter* w) noexcept;
 
     std::unique_ptr<state> state_;
 };
@@ -115,8 +114,7 @@ class [[nodiscard]] poll_stream::next_awaitable : detail::waiter {
         return false;
     }
     void await_suspend(std::coroutine_handle<> h) {
-        state_->waiters.push_back(this);
-        start(*state_->ctx, options_, h, state_, &poll_stream::detach);
+        wait_in(state_->waiters, *state_->ctx, options_, h);
     }
     unsigned await_resume() {
         if (decided()) { // fulfilled (revents set) or failed; the stream may be gone

@@ -106,8 +106,7 @@ class cq {
                    (state_->channel && state_->channel->error != 0);
         }
         void await_suspend(std::coroutine_handle<> h) {
-            state_->waiters.push_back(this);
-            start(*state_->channel->ctx, options_, h, state_, &cq::detach);
+            wait_in(state_->waiters, *state_->channel->ctx, options_, h);
         }
 
       protected:
@@ -151,8 +150,6 @@ class cq {
         wait_options options_;
         bool stopped_ = false; // its stop was requested before it waited
     };
-
-    static void detach(void* source, detail::waiter* w) noexcept;
 
     std::shared_ptr<detail::cq_state> state_;
 };
