@@ -34,6 +34,40 @@ task<bool> exchange(qp& a, qp& b, region& out, region& in, std::size_t off, std:
         size&& std::memcmp(in.bytes.data() + off, out.bytes.data() + off, size) == 0;
 }
 
+// `n` exchanges one after another from lp.a to lp.b (`size` bytes at the start of `out` and
+// `in`, seeds from `seed` on): how many were verified.
+task<int> in_turn(loopback& lp, region& out, region& in, int n, std::size_t size,
+                  std::uint32_t seed = 0) {
+    int ok = 0;
+    for (int i = 0; i < n; ++i)
+        ok += co_await exchange(lp.a, lp.b, out, in, 0, size, seed + static_cast<std::uint32_t>(i))
+                  ? 1
+                  : 0;
+    co_return ok;
+}
+
+// `n` exchanges at once from lp.a to lp.b (48 bytes each, in slots of 64 of `out` and `in`):
+// how many were verified.
+task<int> burst(loopback& lp, region& out, region& in, int n, std::uint32_t seed) {
+    std::vector<task<bool>> ex;
+    for (int i = 0; i < n; ++i)
+        ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48,
+                              seed + static_cast<std::uint32_t>(i)));
+    int ok = 0;
+    for (bool done : co_await when_all(std::move(ex)))
+        ok += done ? 1 : 0;
+    co_return ok;
+}
+
+// After `quiet` with no traffic, 50 ms more: the channel did not poll once (it armed and sleeps).
+void check_stops_polling(io_context& io, loopback& lp, std::chrono::milliseconds quiet) {
+    auto nap = [&](std::chrono::milliseconds d) -> task<void> { co_await sleep_for(io, d); };
+    io.run(nap(quiet));
+    const auto polls_before = lp.ch.counters().polls;
+    io.run(nap(50ms));
+    CHECK(lp.ch.counters().polls == polls_before);
+}
+
 } // namespace
 
 // polling_mode's names, one parser for every command line (checked when this file compiles).
@@ -151,19 +185,11 @@ TEST_CASE("arm/poll race stress: bursts with random gaps, every request complete
         std::mt19937 rng(12345);
         int completed = 0;
         int bursts = 0;
-        auto run_burst = [&](int n, std::uint32_t seed) -> task<void> {
-            std::vector<task<bool>> ex;
-            for (int i = 0; i < n; ++i)
-                ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48,
-                                      seed + static_cast<std::uint32_t>(i)));
-            for (bool ok : co_await when_all(std::move(ex)))
-                completed += ok ? 1 : 0;
-        };
         int expected = 0;
         for (int b = 0; b < 300; ++b) {
             int n = 1 + static_cast<int>(rng() % 48);
             expected += n;
-            io.run(run_burst(n, static_cast<std::uint32_t>(b) * 100));
+            completed += io.run(burst(lp, out, in, n, static_cast<std::uint32_t>(b) * 100));
             ++bursts;
             // A gap of 0 to 300 us: sometimes the next burst races the arm, sometimes not.
             std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
@@ -192,28 +218,14 @@ TEST_CASE("busy and hybrid channels deliver; idle events and hybrid channels sto
         io_context io;
         loopback lp(dev, io, channel_options{.mode = mode, .hybrid_spin = 200us, .read = path});
         region out(dev.pd, 256), in(dev.pd, 256);
-        auto traffic = [&]() -> task<int> {
-            int ok = 0;
-            for (int i = 0; i < 200; ++i)
-                ok += co_await exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))
-                          ? 1
-                          : 0;
-            co_return ok;
-        };
-        CHECK(io.run(traffic()) == 200);
+        CHECK(io.run(in_turn(lp, out, in, 200, 32)) == 200);
         if (mode == polling_mode::busy) {
             CHECK(lp.ch.counters().arms == 0);
             CHECK(lp.ch.counters().events == 0);
             continue;
         }
         // Idle: let a hybrid spin window pass, then check that nothing polls any more.
-        auto idle = [&]() -> task<void> { co_await sleep_for(io, 5ms); };
-        io.run(idle());
-        auto polls_before = lp.ch.counters().polls;
-        io.run(idle());
-        auto t = [&]() -> task<void> { co_await sleep_for(io, 50ms); };
-        io.run(t());
-        CHECK(lp.ch.counters().polls == polls_before);
+        check_stops_polling(io, lp, 5ms);
         if (mode == polling_mode::hybrid) CHECK(lp.ch.counters().empty_polls > 0);
     }
 }
@@ -234,18 +246,10 @@ TEST_CASE("adaptive hybrid: bursts with random gaps all complete, the window sta
         std::mt19937 rng(777);
         int completed = 0;
         int expected = 0;
-        auto run_burst = [&](int n, std::uint32_t seed) -> task<void> {
-            std::vector<task<bool>> ex;
-            for (int i = 0; i < n; ++i)
-                ex.push_back(exchange(lp.a, lp.b, out, in, static_cast<std::size_t>(i) * 64, 48,
-                                      seed + static_cast<std::uint32_t>(i)));
-            for (bool ok : co_await when_all(std::move(ex)))
-                completed += ok ? 1 : 0;
-        };
         for (int b = 0; b < 200; ++b) {
             int n = 1 + static_cast<int>(rng() % 16);
             expected += n;
-            io.run(run_burst(n, static_cast<std::uint32_t>(b) * 100));
+            completed += io.run(burst(lp, out, in, n, static_cast<std::uint32_t>(b) * 100));
             // Gaps below and above the window: it widens, and sleeps still find every completion.
             std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400));
             CHECK(lp.ch.spin_window() >= 10us);
@@ -255,12 +259,7 @@ TEST_CASE("adaptive hybrid: bursts with random gaps all complete, the window sta
         CHECK(lp.a.pending() == 0);
         CHECK(lp.b.pending() == 0);
         // Idle for longer than hybrid_spin_max: the channel arms and stops polling.
-        auto idle = [&]() -> task<void> { co_await sleep_for(io, 10ms); };
-        io.run(idle());
-        auto polls_before = lp.ch.counters().polls;
-        auto t = [&]() -> task<void> { co_await sleep_for(io, 50ms); };
-        io.run(t());
-        CHECK(lp.ch.counters().polls == polls_before);
+        check_stops_polling(io, lp, 10ms);
         MESSAGE("window after the bursts: " << lp.ch.spin_window().count() << " ns, "
                                             << lp.ch.counters().wakeups << " wakeups");
     }
@@ -277,16 +276,8 @@ TEST_CASE("two threads, each with its own io_context, channel and CQs" *
         loopback lp(dev, io);
         region out(dev.pd, 1024), in(dev.pd, 1024);
         start.arrive_and_wait();
-        auto traffic = [&]() -> task<int> {
-            int good = 0;
-            for (int i = 0; i < per_thread; ++i)
-                good += co_await exchange(lp.a, lp.b, out, in, 0, 100,
-                                          static_cast<std::uint32_t>(id * 100000 + i))
-                            ? 1
-                            : 0;
-            co_return good;
-        };
-        ok[id] = io.run(traffic());
+        ok[id] =
+            io.run(in_turn(lp, out, in, per_thread, 100, static_cast<std::uint32_t>(id) * 100000));
     };
     std::thread t0(worker, 0), t1(worker, 1);
     t0.join();
@@ -782,15 +773,7 @@ TEST_CASE("channel counters mean the same on both event paths: every event count
         io_context io;
         loopback lp(dev, io, channel_options{.ack_batch = 1, .read = path});
         region out(dev.pd, 64), in(dev.pd, 64);
-        auto traffic = [&]() -> task<int> {
-            int ok = 0;
-            for (int i = 0; i < 300; ++i)
-                ok += co_await exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))
-                          ? 1
-                          : 0;
-            co_return ok;
-        };
-        CHECK(io.run(traffic()) == 300);
+        CHECK(io.run(in_turn(lp, out, in, 300, 32)) == 300);
         const channel_counters& ch = lp.ch.counters();
         const cq_counters& ca = lp.cq_a.counters();
         const cq_counters& cb = lp.cq_b.counters();

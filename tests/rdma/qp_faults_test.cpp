@@ -639,37 +639,57 @@ TEST_CASE("a timed await that gets no SQE for its timer throws before posting: n
     CHECK(io.waiters() == 0);
 }
 
-TEST_CASE("a timed request posted in the error state with one SQE left: its timer reaches the "
-          "kernel, no stale SQE is submitted, the await ends once") {
-    watchdog wd(60s, "one SQE left");
+// What the one-SQE-left cases share: b in the error state (posts arm its flush bound, which
+// needs an SQE), one free SQE left, stale, by the time `recv` posts its receive inside a
+// spawned task; the loop turned (not blocking) until that await ends or 10 s pass.
+struct one_sqe_left_case {
     device dev;
     io_context io;
-    pair p(dev, io);
-    region in(dev.pd, 64);
-    io.run_once(false); // the ring enabled
-    p.b->to_error();
-    // The request holds the last SQE back for its timer; posting it in the error state arms
-    // the QP's flush bound, which needs an SQE too and submits the ring to get one.
-    std::optional<one_stale_sqe> stale;
+    pair p{dev, io};
+    region in{dev.pd, 64};
+    std::optional<one_stale_sqe> one_left;
     outcome o;
-    auto t = [&]() -> task<void> {
-        stale.emplace(io);
-        co_await await_recv(*p.b, in.all(), wait_options(30s), o);
-    };
-    io.spawn(t());
-    // The flush (or its 200 ms bound) decides it; the timer's cancel then resumes it.
-    const auto deadline = std::chrono::steady_clock::now() + 10s;
-    while (o.ended == 0 && std::chrono::steady_clock::now() < deadline) {
-        io.run_once(false);
-        std::this_thread::sleep_for(1ms);
+    one_sqe_left_case() {
+        io.run_once(false); // the ring enabled
+        p.b->to_error();
     }
-    CHECK(stale->submitted_stale == 0);
+    // `before_post` runs inside the task, after the ring was left with one SQE.
+    template <typename F>
+    void recv(wait_options w, F before_post) {
+        auto t = [&]() -> task<void> {
+            one_left.emplace(io);
+            before_post();
+            co_await await_recv(*p.b, in.all(), std::move(w), o);
+        };
+        io.spawn(t());
+        const auto deadline = std::chrono::steady_clock::now() + 10s;
+        while (o.ended == 0 && std::chrono::steady_clock::now() < deadline) {
+            io.run_once(false);
+            std::this_thread::sleep_for(1ms);
+        }
+    }
+    // After the await ended: nothing else ends it again, nothing is owed or waits, and the
+    // stale slot never reached the kernel.
+    void check_clean() {
+        io.run();
+        CHECK(o.ended == 1);
+        CHECK(p.b->pending() == 0);
+        CHECK(io.waiters() == 0);
+        CHECK(one_left->submitted_stale == 0);
+    }
+};
+
+TEST_CASE_FIXTURE(one_sqe_left_case,
+                  "a timed request posted in the error state with one SQE left: its timer "
+                  "reaches the kernel, no stale SQE is submitted, the await ends once") {
+    watchdog wd(60s, "one SQE left");
+    // The request holds the last SQE back for its timer; posting it in the error state arms
+    // the QP's flush bound, which needs an SQE too and submits the ring to get one. The flush
+    // (or its 200 ms bound) decides it; the timer's cancel then resumes it.
+    recv(wait_options(30s), [] {});
     REQUIRE(o.ended == 1);
     CHECK((o.status == IBV_WC_WR_FLUSH_ERR || o.code == std::errc::io_error));
-    io.run();
-    CHECK(o.ended == 1);
-    CHECK(p.b->pending() == 0);
-    CHECK(io.waiters() == 0);
+    check_clean();
 }
 
 // Review helper-34 (stop 35): a request could end inside its own post, before its wait began
@@ -681,38 +701,21 @@ TEST_CASE("a request that ends inside its own post (no SQE for the flush bound: 
     watchdog wd(60s, "ended inside its post");
     for (const bool timed : {false, true}) {
         CAPTURE(timed);
-        device dev;
-        io_context io;
-        pair p(dev, io);
-        region in(dev.pd, 64);
-        io.run_once(false); // the ring enabled
-        p.b->to_error();
-        std::optional<one_stale_sqe> one_left;
-        outcome o;
-        auto t = [&]() -> task<void> {
-            one_left.emplace(io);
+        one_sqe_left_case c;
+        std::optional<refuse_submits> refused;
+        c.recv(timed ? wait_options(30s) : wait_options(), [&] {
             if (!timed) { // no slot held back for a timer: the last one taken here
-                io_uring_sqe* last = io_uring_get_sqe(detail::loop(io).native_ring());
+                io_uring_sqe* last = io_uring_get_sqe(detail::loop(c.io).native_ring());
                 io_uring_prep_nop(last);
                 io_uring_sqe_set_data64(last, 0);
             }
             // get_sqe gives up after 1,000 refused submissions: the flush bound's throws.
-            refuse_submits refused(1001);
-            co_await await_recv(*p.b, in.all(), timed ? wait_options(30s) : wait_options(), o);
-        };
-        io.spawn(t());
-        const auto deadline = std::chrono::steady_clock::now() + 10s;
-        while (o.ended == 0 && std::chrono::steady_clock::now() < deadline) {
-            io.run_once(false);
-            std::this_thread::sleep_for(1ms);
-        }
-        REQUIRE(o.ended == 1);
-        MESSAGE(o.what);
-        CHECK(o.status == IBV_WC_WR_FLUSH_ERR);
-        io.run();
-        CHECK(o.ended == 1);
-        CHECK(p.b->pending() == 0);
-        CHECK(io.waiters() == 0);
-        CHECK(one_left->submitted_stale == 0);
+            refused.emplace(1001);
+        });
+        refused.reset();
+        REQUIRE(c.o.ended == 1);
+        MESSAGE(c.o.what);
+        CHECK(c.o.status == IBV_WC_WR_FLUSH_ERR);
+        c.check_clean();
     }
 }

@@ -40,13 +40,19 @@ bool intact(std::span<const std::byte> got, std::uint32_t k) {
     return got.size() == length_of(k) && std::memcmp(got.data(), want.data(), got.size()) == 0;
 }
 
-} // namespace
-
-TEST_CASE("recv_ring: 200 messages through 8 slots arrive in order and intact; every slot is "
-          "posted again, the qp owes the ring's 8 receives and nothing else") {
+// What every case starts from: a device, a context, and a loopback pair on it (a sends, the
+// ring is made on b).
+struct ring_case {
     device dev;
     io_context io;
-    loopback lp(dev, io);
+    loopback lp{dev, io};
+};
+
+} // namespace
+
+TEST_CASE_FIXTURE(
+    ring_case, "recv_ring: 200 messages through 8 slots arrive in order and intact; every slot is "
+               "posted again, the qp owes the ring's 8 receives and nothing else") {
     recv_ring ring(lp.b, dev.pd, 8, 256);
     CHECK(ring.count() == 8);
     CHECK(ring.slot_size() == 256);
@@ -82,11 +88,9 @@ TEST_CASE("recv_ring: 200 messages through 8 slots arrive in order and intact; e
     CHECK(lp.b.pending() == 7);
 }
 
-TEST_CASE("recv_ring: a next() that times out leaves the receives posted; the ring still "
-          "delivers the next message") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(ring_case,
+                  "recv_ring: a next() that times out leaves the receives posted; the ring still "
+                  "delivers the next message") {
     recv_ring ring(lp.b, dev.pd, 4, 128);
     region out(dev.pd, 128);
     stamp(std::span(out.bytes).first(length_of(1)), 1);
@@ -107,11 +111,9 @@ TEST_CASE("recv_ring: a next() that times out leaves the receives posted; the ri
     io.run(run());
 }
 
-TEST_CASE("recv_ring: after the QP's error every next() throws the flush; destroying the ring "
-          "then owes nothing") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case, "recv_ring: after the QP's error every next() throws the flush; destroying the ring "
+               "then owes nothing") {
     std::optional<recv_ring> ring;
     ring.emplace(lp.b, dev.pd, 4, 64);
     auto run = [&]() -> task<void> {
@@ -132,11 +134,9 @@ TEST_CASE("recv_ring: after the QP's error every next() throws the flush; destro
     CHECK(lp.b.pending() == 0);
 }
 
-TEST_CASE("recv_ring: destroyed with receives posted, the qp goes to the error state and its "
-          "close() ends once the ring's receives flushed") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case, "recv_ring: destroyed with receives posted, the qp goes to the error state and its "
+               "close() ends once the ring's receives flushed") {
     {
         recv_ring ring(lp.b, dev.pd, 6, 64);
         CHECK(lp.b.pending() == 6);
@@ -147,10 +147,9 @@ TEST_CASE("recv_ring: destroyed with receives posted, the qp goes to the error s
     CHECK(in_error_state(lp.b));
 }
 
-TEST_CASE("recv_ring: a next() waiting when the ring is destroyed ends with operation_canceled") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case,
+    "recv_ring: a next() waiting when the ring is destroyed ends with operation_canceled") {
     std::optional<recv_ring> ring;
     ring.emplace(lp.b, dev.pd, 2, 64);
     bool cancelled = false;
@@ -169,10 +168,8 @@ TEST_CASE("recv_ring: a next() waiting when the ring is destroyed ends with oper
     CHECK(cancelled);
 }
 
-TEST_CASE("recv_ring: what it refuses") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io); // receive queues of 256 (or more)
+TEST_CASE_FIXTURE(ring_case, "recv_ring: what it refuses") {
+    // lp: receive queues of 256 (or more)
     auto refused = [&](auto make, std::errc want, const char* says) {
         try {
             make();
@@ -196,11 +193,9 @@ TEST_CASE("recv_ring: what it refuses") {
     refused([&] { recv_ring r(on_srq, dev.pd, 4, 64); }, std::errc::invalid_argument, "srq");
 }
 
-TEST_CASE("recv_ring: one consumer: a second next() while one waits throws EBUSY; the first "
-          "still gets its message") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case, "recv_ring: one consumer: a second next() while one waits throws EBUSY; the first "
+               "still gets its message") {
     recv_ring ring(lp.b, dev.pd, 4, 128);
     region out(dev.pd, 128);
     stamp(std::span(out.bytes).first(length_of(2)), 2);
@@ -223,10 +218,8 @@ TEST_CASE("recv_ring: one consumer: a second next() while one waits throws EBUSY
     CHECK(first_got);
 }
 
-TEST_CASE("recv_ring: once a spent ring is gone (nothing posted), the qp takes a new one") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(ring_case,
+                  "recv_ring: once a spent ring is gone (nothing posted), the qp takes a new one") {
     std::optional<recv_ring> ring;
     ring.emplace(lp.b, dev.pd, 4, 64);
     auto drain = [&]() -> task<void> {
@@ -265,12 +258,10 @@ struct inflate_receives {
 
 } // namespace
 
-TEST_CASE("recv_ring: a peer's RDMA WRITE WITH IMMEDIATE of 16 KiB consumes a 4 KiB slot as a "
-          "message with no data and its immediate; nothing past the slot is handed out" *
-          doctest::test_suite(ringverbs::test::ib_roce_only)) {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case, "recv_ring: a peer's RDMA WRITE WITH IMMEDIATE of 16 KiB consumes a 4 KiB slot as a "
+               "message with no data and its immediate; nothing past the slot is handed out" *
+                   doctest::test_suite(ringverbs::test::ib_roce_only)) {
     recv_ring ring(lp.b, dev.pd, 4, 4096);
     region target(dev.pd, 16384); // remote-writable, on the ring's PD (any connection's region)
     region out(dev.pd, 16384);
@@ -293,11 +284,10 @@ TEST_CASE("recv_ring: a peer's RDMA WRITE WITH IMMEDIATE of 16 KiB consumes a 4 
     io.run(run());
 }
 
-TEST_CASE("recv_ring: a receive completion longer than its slot is a protocol violation: EPROTO "
-          "naming the length, the QP to the error state, every later next() the same") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case,
+    "recv_ring: a receive completion longer than its slot is a protocol violation: EPROTO "
+    "naming the length, the QP to the error state, every later next() the same") {
     recv_ring ring(lp.b, dev.pd, 4, 256);
     region out(dev.pd, 256);
     stamp(std::span(out.bytes).first(length_of(4)), 4);
@@ -323,11 +313,10 @@ TEST_CASE("recv_ring: a receive completion longer than its slot is a protocol vi
     CHECK(in_error_state(lp.b)); // the other slots flush (or time out)
 }
 
-TEST_CASE("recv_ring: a stop requested before next() ends it at once, even with messages ready; "
-          "they stay in the ring, in order") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case,
+    "recv_ring: a stop requested before next() ends it at once, even with messages ready; "
+    "they stay in the ring, in order") {
     recv_ring ring(lp.b, dev.pd, 4, 256);
     region out(dev.pd, 3 * 256);
     std::stop_source stop;
@@ -357,11 +346,9 @@ TEST_CASE("recv_ring: a stop requested before next() ends it at once, even with 
     io.run(run());
 }
 
-TEST_CASE("recv_ring: destroyed by a coroutine that runs between a next()'s message and its "
-          "resumption: the next() ends with operation_canceled, never with the freed bytes") {
-    device dev;
-    io_context io;
-    loopback lp(dev, io);
+TEST_CASE_FIXTURE(
+    ring_case, "recv_ring: destroyed by a coroutine that runs between a next()'s message and its "
+               "resumption: the next() ends with operation_canceled, never with the freed bytes") {
     std::optional<recv_ring> ring;
     ring.emplace(lp.b, dev.pd, 1, 64); // one slot: once handed out nothing is posted, so
                                        // ~recv_ring frees the memory at once
