@@ -17,16 +17,23 @@ if block != body:
 # The Layout section names every public header of each layer folder, and only those.
 layout = readme[readme.index("## Layout"):]
 layout = layout[:layout.index("\n## ", 1)]
-entries = {}
-current = None
-for line in layout.splitlines():
-    if line.startswith("include/ringverbs/") and not line.startswith("include/ringverbs/*"):
-        current = line.split()[0]
-        entries[current] = line[len(current):]
-    elif line.startswith(" ") and current is not None:
-        entries[current] += " " + line
-    else:
-        current = None
+
+
+def layout_entries(starts):
+    """The Layout lines whose first word passes `starts`, continuation lines joined: {word: text}."""
+    found, current = {}, None
+    for line in layout.splitlines():
+        if starts(line):
+            current = line.split()[0]
+            found[current] = line[len(current):]
+        elif line.startswith(" ") and current is not None:
+            found[current] += " " + line
+        else:
+            current = None
+    return found
+
+
+entries = layout_entries(lambda l: l.startswith("include/ringverbs/") and not l.startswith("include/ringverbs/*"))
 problems = []
 for folder, text in entries.items():
     if folder == "include/ringverbs/":
@@ -42,11 +49,23 @@ top = {p.name for p in (root / "include" / "ringverbs").glob("*.hpp")}
 for h in sorted(top):
     if h not in entries.get("include/ringverbs/", ""):
         problems.append(f"README Layout: include/ringverbs/ does not name {h}")
+# The tools/ and examples/ lines name every file there (tools/lib/ as lib/NAME).
+blocks = layout_entries(lambda l: l.startswith(("tools/ ", "examples/ ")))
+for folder, prefix in (("tools/", ""), ("tools/lib/", "lib/"), ("examples/", "")):
+    text = blocks.get(folder.split("/")[0] + "/", "")
+    words = set(w.strip(",.:;()+") for w in text.split())
+    for f in sorted((root / folder).iterdir()):
+        if f.name in ("meson.build", "__pycache__", "lib") or f.name.startswith("."):
+            continue
+        name = prefix + f.name + ("/" if f.is_dir() else "")
+        stem = prefix + f.stem if f.suffix == ".cpp" else None  # an example by its program
+        if name not in words and name.rstrip("/") not in words and stem not in words:
+            problems.append(f"README Layout: {folder.split('/')[0]}/ does not name {name}")
 for p in problems:
     print(p)
 if problems:
     sys.exit(1)
-print(f"README Layout names every public header ({len(entries)} folders)")
+print(f"README Layout names every public header ({len(entries)} folders), every tool and example")
 lines = [l for l in block.splitlines() if l.strip()]
 print(f"quick start: {len(lines)} lines")
 status = 0 if len(lines) <= 30 else 1
