@@ -443,10 +443,11 @@ class soak {
                 posted = false;
             }
             if (!posted) {
-                // Not at once again: a QP the runtime reset refuses every post, and the
-                // stream whose failure ends the epoch (p.over) may still be queued to resume
-                // behind this one, which would spin without ever suspending.
-                co_await nap(io_, std::chrono::microseconds(100));
+                // The epoch ends, as for a refused send: a QP the runtime reset refuses every
+                // post, and the stream whose failure would end the epoch may still be queued
+                // to resume behind this one, which would spin here without ever suspending.
+                p.over = true;
+                end_epoch_on_both(p);
                 continue;
             }
             const std::uint64_t rid = t.open();
