@@ -143,11 +143,19 @@ def process_tasks(pid):
 
 def restrack(pid, kinds=RDMA_KINDS):
     """How many objects of each kind the kernel lists for process `pid` (any of its threads
-    counts), or None once the process is gone."""
-    tasks = process_tasks(pid)
-    if tasks is None:
-        return None
-    return {kind: sum(1 for o in restrack_list(kind) if o.get("pid") in tasks) for kind in kinds}
+    counts), or None once the process is gone. Read until two reads in a row agree (at most 5):
+    echo and hostile run side by side, and a dump taken while another test makes and ends
+    hundreds of QPs may miss some (with 4096 QPs the soak once saw none of its own)."""
+    last = None
+    for _ in range(5):
+        tasks = process_tasks(pid)
+        if tasks is None:
+            return None
+        now = {kind: sum(1 for o in restrack_list(kind) if o.get("pid") in tasks) for kind in kinds}
+        if now == last:
+            break
+        last = now
+    return now
 
 
 def registered_bytes(pid):
