@@ -68,50 +68,60 @@ task<void> connection::accept() {
 // resumes on the completion of its own request, so the buffer is free again when the send's
 // await returns.
 task<void> connection::echo_loop(std::uint32_t slot) {
-    std::string why;
-    bool explainable = false; // by the client's end of the connection (below)
+    std::exception_ptr failed;
     request current = request::receive;
-    try {
-        while (!closing_) {
-            current = request::receive;
-            const ibv_wc received = co_await qp_.recv(buffer(slot, max_size_),
-                                                      wait_options(server_.stopping.get_token()));
-            if (closing_) break;
-            last_message_ = std::chrono::steady_clock::now();
-            current = request::echo_send;
-            co_await qp_.send(buffer(slot, received.byte_len));
-            ++summary_.messages;
-            summary_.bytes += received.byte_len;
+    while (!closing_) {
+        current = request::receive;
+        const result<ibv_wc> received = co_await nothrow(
+            qp_.recv(buffer(slot, max_size_), wait_options(server_.stopping.get_token())));
+        failed = received.exception();
+        if (failed || closing_) break;
+        last_message_ = std::chrono::steady_clock::now();
+        current = request::echo_send;
+        failed = (co_await nothrow(qp_.send(buffer(slot, received->byte_len)))).exception();
+        if (failed) break;
+        ++summary_.messages;
+        summary_.bytes += received->byte_len;
+    }
+    if (!failed) {
+        co_await close("");
+        co_return;
+    }
+    loop_end end = ended_by(failed, current);
+    // What the client's end may explain: while the disconnect watch runs, it closes and names
+    // it (the client's end if DISCONNECTED follows soon); once it has seen that end, the end is
+    // the reason.
+    if (end.explainable && !closing_) {
+        if (watching_) {
+            cut_off(std::move(end.why));
+            co_return;
         }
+        if (id_.is_disconnected()) end.why = "the client disconnected";
+    }
+    co_await close(std::move(end.why));
+}
+
+connection::loop_end connection::ended_by(const std::exception_ptr& error, request current) {
+    try {
+        std::rethrow_exception(error);
     } catch (const connection_reset&) {
         // Flushed by a connection end the server did not cause (close() keeps the server's own
         // reason when it closed first): on iWARP the QP fails as the client's TCP stream ends,
         // before the DISCONNECTED event says so.
-        why = "the client disconnected";
+        return {"the client disconnected", false};
     } catch (const completion_error& e) {
-        why = failure(current, e.status());
         // A failed echo send, or a flush another request's failure caused (cut_off()).
-        explainable = current == request::echo_send || e.status() == IBV_WC_WR_FLUSH_ERR;
+        return {failure(current, e.status()),
+                current == request::echo_send || e.status() == IBV_WC_WR_FLUSH_ERR};
     } catch (const std::system_error& e) {
         // The bounded flush (qp_options::flush_timeout) ended it: the device never flushed it.
         if (closing_ && e.code() == std::errc::io_error) ++never_flushed_;
-        why = e.what(); // ibv_post_*, named with its errno; or cancelled by the server's stop
-        // A post the QP refused because it already failed (siw: ENOTCONN once the client's
-        // stream ended).
-        explainable = !closing_ && e.code() != std::errc::operation_canceled &&
-                      e.code() != std::errc::io_error;
+        // ibv_post_*, named with its errno; or cancelled by the server's stop. A post the QP
+        // refused because it already failed (siw: ENOTCONN once the client's stream ended) is
+        // explainable.
+        return {e.what(), !closing_ && e.code() != std::errc::operation_canceled &&
+                              e.code() != std::errc::io_error};
     }
-    // What the client's end may explain: while the disconnect watch runs, it closes and names
-    // it (the client's end if DISCONNECTED follows soon); once it has seen that end, the end is
-    // the reason.
-    if (explainable && !closing_) {
-        if (watching_) {
-            cut_off(std::move(why));
-            co_return;
-        }
-        if (id_.is_disconnected()) why = "the client disconnected";
-    }
-    co_await close(std::move(why));
 }
 
 // --idle-timeout: closes the connection once no message arrived for that long (counted from
@@ -149,17 +159,14 @@ struct raised_while_alive {
 // it also closes the connection for a failure the shared loops reported (fail()).
 task<void> connection::watch_disconnect() {
     const raised_while_alive scope(watching_); // watching_ while this runs, however it ends
-    bool gone = true;
+    const result<void> ended =
+        co_await nothrow(id_.disconnected(wait_options(ending_.get_token())));
+    const bool gone = ended.ok(); // else closed, or failed, first (operation_canceled)
     std::string watch_failed; // the CM events failed (not ended by us): nothing else would close
-    try {
-        co_await id_.disconnected(wait_options(ending_.get_token()));
-    } catch (const std::system_error& e) {
-        gone = false; // closed, or failed, first (operation_canceled)
-        if (e.code() == std::errc::no_such_device)
-            watch_failed = "the RDMA device went away";
-        else if (e.code() != std::errc::operation_canceled)
-            watch_failed = std::string("its connection events failed: ") + e.what();
-    }
+    if (ended.error() == std::errc::no_such_device)
+        watch_failed = "the RDMA device went away";
+    else if (!gone && ended.error() != std::errc::operation_canceled)
+        watch_failed = std::string("its connection events failed: ") + ended.what();
     if (!watch_failed.empty() && !closing_) {
         co_await close(std::move(watch_failed));
         co_return;

@@ -48,6 +48,12 @@ class connection {
     task<void> close(std::string why);
     task<void> disconnect();
     std::string failure(request failed, ibv_wc_status status) const;
+    // Why an echo loop's request failed, and whether the client's end may explain it.
+    struct loop_end {
+        std::string why;
+        bool explainable = false;
+    };
+    loop_end ended_by(const std::exception_ptr& error, request current);
     void cut_off(std::string why);
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
     qp make_qp();

@@ -39,30 +39,26 @@ connection* connection_of(shared_receives& shared, std::uint32_t qp_num) {
 // connection how it went: looked up again, since it may have closed (and gone) meanwhile.
 task<void> echo_on(shared_receives& shared, connection* c, std::uint32_t qp_num,
                    local_buffer from) {
-    std::string echo_failed;
-    std::optional<completion_error> cut_off;
     ++shared.sending;
+    const result<ibv_wc> sent = co_await nothrow(c->echo(from));
+    --shared.sending;
+    connection* again = connection_of(shared, qp_num);
+    if (again == nullptr) co_return;
+    if (sent) {
+        again->echoed(from.length);
+        co_return;
+    }
     try {
-        ibv_wc sent = co_await c->echo(from);
-        (void)sent;
+        sent.rethrow_if_failed();
     } catch (const connection_reset&) {
         // Flushed by a connection end the server did not cause (fail() ignores a closing
         // connection): on iWARP the QP fails as the client's TCP stream ends, before the
         // DISCONNECTED event says so.
-        echo_failed = "the client disconnected";
+        again->fail("the client disconnected");
     } catch (const completion_error& e) {
-        cut_off = e; // named by its connection, if it is still there
+        again->echo_failed(e); // named by its connection
     } catch (const std::exception& e) {
-        echo_failed = std::string("echo send failed: ") + e.what();
-    }
-    --shared.sending;
-    if (connection* again = connection_of(shared, qp_num)) {
-        if (cut_off)
-            again->echo_failed(*cut_off);
-        else if (echo_failed.empty())
-            again->echoed(from.length);
-        else
-            again->fail(std::move(echo_failed));
+        again->fail(std::string("echo send failed: ") + e.what());
     }
 }
 
@@ -78,23 +74,19 @@ task<void> shared_echo_loop(device_resources& device, std::uint32_t slot, std::u
         // retire() dropped the queue (the server's end) while a late completion was read.
         if (!shared.queue) co_return;
         ibv_wc received{};
-        std::optional<completion_error> failed;
         try {
             received = co_await shared.queue->recv(pool_slot(shared, slot, size, size));
         } catch (const completion_error& e) {
-            failed = e;
+            if (e.qp_num() == 0) co_return; // the shared queue went: the server's end
+            if (connection* c = connection_of(shared, e.qp_num()))
+                c->fail(c->receive_failure(e.status()));
+            continue; // that connection's flush, or its oversized message: the buffer goes on
         } catch (const std::system_error& e) {
             const bool gone = e.code() == std::errc::no_such_device;
             if (!gone || !shared.device_gone)
                 std::fprintf(stderr, "echo_server: %s\n", e.what()); // ibv_post_srq_recv
             shared.device_gone = shared.device_gone || gone;
             co_return;
-        }
-        if (failed) {
-            if (failed->qp_num() == 0) co_return; // the shared queue went: the server's end
-            if (connection* c = connection_of(shared, failed->qp_num()))
-                c->fail(c->receive_failure(failed->status()));
-            continue; // that connection's flush, or its oversized message: the buffer goes on
         }
         connection* c = connection_of(shared, received.qp_num);
         if (c == nullptr || c->closing()) continue; // its connection is gone or going: dropped
