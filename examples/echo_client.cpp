@@ -242,6 +242,7 @@ class session {
     task<void> close(std::string why);
     std::string interrupted_reason();
     std::string failed_reason(const ibv_wc& wc);
+    task<void> grace_for_disconnect(const ibv_wc& wc);
     std::string take_reply(const ibv_wc& wc);
     std::string send_ready();
     std::string oversize_note() const;
@@ -428,9 +429,10 @@ task<void> session::exchange() {
         const ibv_wc& wc = *polled;
         --posted_;
         std::string why;
-        if (wc.status != IBV_WC_SUCCESS)
+        if (wc.status != IBV_WC_SUCCESS) {
+            co_await grace_for_disconnect(wc);
             why = failed_reason(wc);
-        else if (closing_)
+        } else if (closing_)
             continue;
         else if (wc.opcode == IBV_WC_RECV)
             why = take_reply(wc);
@@ -467,6 +469,18 @@ std::string session::interrupted_reason() {
     if (cl_.stopping.stop_requested()) return "interrupted";
     if (conn_->id().is_disconnected()) return "the server closed the connection" + oversize_note();
     return "interrupted";
+}
+
+// On iWARP the QP fails as the TCP stream ends, and a request in progress then may fail with a
+// status of its own (siw: local QP operation error for a send being transmitted) before
+// rdma_cm's DISCONNECTED is read: a failure other than a flush waits up to 2 s for it, so that
+// the server's close reads as that and not as a local failure.
+task<void> session::grace_for_disconnect(const ibv_wc& wc) {
+    const bool iwarp = conn_->device().native()->device->transport_type == IBV_TRANSPORT_IWARP;
+    if (!iwarp || closing_ || wc.status == IBV_WC_WR_FLUSH_ERR || conn_->id().is_disconnected())
+        co_return;
+    const result<void> gone = co_await nothrow(conn_->id().disconnected(wait_options(2s)));
+    (void)gone; // timed out: a local failure after all
 }
 
 // A failed completion while not closing (no request failed first).
