@@ -19,7 +19,7 @@ task<int> run_client(io_context& io, std::string address, int count) {
         for (std::size_t k = 0; k < len; ++k)
             out[k] = std::byte(i + k);
         co_await c.send(local_buffer(mr, std::span(out).first(len)));
-        recv_ring::message reply = co_await c.receive(std::chrono::seconds(5));
+        recv_ring::message reply = co_await c.next_message(std::chrono::seconds(5));
         std::reverse(reply.data.begin(), reply.data.end());
         verified +=
             reply.data.size() == len && std::memcmp(reply.data.data(), out.data(), len) == 0;

@@ -10,7 +10,7 @@ task<void> serve(connection c, std::stop_token stop) {
         std::vector<std::byte> out(4096);
         verbs::memory_region mr(c.pd(), out); // c.pd(): shared by every connection on the device
         for (;;) {
-            recv_ring::message m = co_await c.receive(stop);
+            recv_ring::message m = co_await c.next_message(stop);
             std::reverse_copy(m.data.begin(), m.data.end(), out.begin());
             co_await c.send(local_buffer(mr, std::span(out).first(m.data.size())));
         }

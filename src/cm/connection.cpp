@@ -369,13 +369,13 @@ connection::connection(connection&&) noexcept = default;
 connection& connection::operator=(connection&&) noexcept = default;
 connection::~connection() = default;
 
-recv_ring::next_awaitable connection::receive(wait_options w) {
+recv_ring::next_awaitable connection::next_message(wait_options w) {
     if (!parts_->ring)
-        throw_system_error(EINVAL, "connection::receive (no recv_ring: set "
+        throw_system_error(EINVAL, "connection::next_message (no recv_ring: set "
                                    "connection_options::receive_slots)");
     return parts_->ring->next(std::move(w));
 }
-recv_ring* connection::receives() noexcept {
+recv_ring* connection::message_ring() noexcept {
     return parts_->ring ? &*parts_->ring : nullptr;
 }
 cm_id::disconnect_awaitable connection::disconnect(wait_options w) noexcept {

@@ -1197,3 +1197,23 @@ TEST_CASE_FIXTURE(serving, "a send whose doorbell is refused resets the QP: the 
     };
     io.run(run());
 }
+
+TEST_CASE_FIXTURE(serving, "next_message() without a recv_ring (receive_slots 0) throws EINVAL "
+                           "naming connection::next_message; message_ring() is null") {
+    auto run = [&]() -> task<void> {
+        auto [s, c] = co_await when_all(l.accept(wait_options(20s)), connect(io, at));
+        CHECK(c.message_ring() == nullptr);
+        std::string what;
+        int code = 0;
+        try {
+            (void)c.next_message(wait_options(1s)); // refused before there is anything to await
+        } catch (const std::system_error& e) {
+            code = e.code().value();
+            what = e.what();
+        }
+        CHECK(code == EINVAL);
+        CHECK(contains(what, "connection::next_message"));
+        co_await exchange(c, s, 61);
+    };
+    io.run(run());
+}

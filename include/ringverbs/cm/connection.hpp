@@ -65,7 +65,7 @@ struct connection_options {
     std::chrono::nanoseconds step_timeout = std::chrono::seconds(15);
     // When not 0: the connection keeps this many receives posted in a recv_ring of its own
     // (receive_size bytes each, registered once), made before the connection is established so
-    // that the peer's first message finds one, and read with connection::receive(). The qp's
+    // that the peer's first message finds one, and read with connection::next_message(). The qp's
     // receive capacity is raised to it when smaller.
     std::uint32_t receive_slots = 0;
     std::uint32_t receive_size = 4096;
@@ -130,11 +130,16 @@ class connection {
         return queue_pair().read(into, from, std::move(w));
     }
 
-    // co_await c.receive(): the next message of the connection's recv_ring
-    // (connection_options::receive_slots), its bytes valid until the next receive(). Throws as
-    // recv_ring::next (connection_reset when the connection ended), or EINVAL naming
-    // connection::receive when the connection has no ring.
-    recv_ring::next_awaitable receive(wait_options w = {});
+    // co_await c.next_message(): the next message of the connection's recv_ring
+    // (connection_options::receive_slots), its bytes valid until the next next_message().
+    // Throws as recv_ring::next (connection_reset when the connection ended), or EINVAL naming
+    // connection::next_message when the connection has no ring. (recv() above is one receive
+    // request of your own buffer, as on a qp.)
+    recv_ring::next_awaitable next_message(wait_options w = {});
+    [[deprecated("renamed next_message() in 0.3.0")]] recv_ring::next_awaitable
+    receive(wait_options w = {}) {
+        return next_message(std::move(w));
+    }
 
     // co_await c.disconnect(): ends the connection (rdma_disconnect; the peer learns it at
     // once) and resumes when it is gone. co_await c.disconnected(): resumes when the peer (or
@@ -164,7 +169,10 @@ class connection {
     // connections get a fresh one.
     channel& completion_channel() noexcept;
     // The connection's recv_ring (null without connection_options::receive_slots).
-    recv_ring* receives() noexcept;
+    recv_ring* message_ring() noexcept;
+    [[deprecated("renamed message_ring() in 0.3.0")]] recv_ring* receives() noexcept {
+        return message_ring();
+    }
     cm_id& id() noexcept;
     // The rdma_cm event channel of id(): connect()'s of this thread, or the listener's.
     cm_channel& events() noexcept;
