@@ -1,4 +1,5 @@
 #include "fd.hpp"
+#include "uring_faults.hpp"
 
 #include <ringverbs/engine/detail/uring_hooks.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
@@ -411,23 +412,14 @@ TEST_CASE("a held-back SQE slot is taken only when prepared: a submission that m
           "others never sends it stale") {
     io_context io;
     io.run_once(false); // the ring enabled
-    io_uring* ring = ringverbs::detail::loop(io).native_ring();
     struct counted : ringverbs::detail::operation {
         int cqes = 0;
-    } stale, held;
-    stale.on_cqe = held.on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
+    } held;
+    held.on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
         ++static_cast<counted*>(self)->cqes;
     };
     // One free slot left, holding a NOP that names `stale` (a slot used before is not cleared).
-    while (io_uring_sq_space_left(ring) > 1) {
-        io_uring_sqe* s = io_uring_get_sqe(ring);
-        io_uring_prep_nop(s);
-        io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
-    }
-    io_uring_sqe* s = io_uring_get_sqe(ring);
-    io_uring_prep_nop(s);
-    io_uring_sqe_set_data(s, static_cast<ringverbs::detail::operation*>(&stale));
-    --ring->sq.sqe_tail;
+    test::one_stale_sqe stale(io);
     auto l = ringverbs::detail::loop(io);
     l.reserve_sqe(); // the last slot, held back
     const auto full_before = io.counters().sq_full;
@@ -443,5 +435,5 @@ TEST_CASE("a held-back SQE slot is taken only when prepared: a submission that m
     for (int i = 0; i < 100 && held.cqes == 0; ++i)
         io.run_once(false);
     CHECK(held.cqes == 1);
-    CHECK(stale.cqes == 0);
+    CHECK(stale.submitted_stale == 0);
 }

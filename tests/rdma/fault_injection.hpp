@@ -2,7 +2,8 @@
 // calls the real verb first and then hides or fails part of what it did. Never a mock.
 #pragma once
 
-#include <ringverbs/engine/detail/uring_hooks.hpp>
+#include "../engine/uring_faults.hpp"
+
 #include <ringverbs/engine/io_context.hpp>
 #include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <span>
 #include <stop_token>
@@ -276,69 +278,21 @@ class fail_ring_reads {
     static inline int calls_ = 0;
 };
 
+using ::test::one_stale_sqe;
+using ::test::refuse_submits;
+
 // Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
 // fail (EBUSY), while it lives: every wait that needs an SQE throws "io_uring_submit".
 class refuse_submission {
   public:
-    explicit refuse_submission(ringverbs::io_context& io) noexcept {
-        io_uring* ring = ringverbs::detail::loop(io).native_ring();
-        while (io_uring_sq_space_left(ring) > 0) {
-            io_uring_sqe* sqe = io_uring_get_sqe(ring);
-            io_uring_prep_nop(sqe);
-            io_uring_sqe_set_data64(sqe, 0);
-        }
-        saved_ = ringverbs::detail::io_uring_hooks().submit;
-        ringverbs::detail::io_uring_hooks().submit = [](io_uring*) noexcept { return -EBUSY; };
-    }
-    ~refuse_submission() { ringverbs::detail::io_uring_hooks().submit = saved_; }
-    refuse_submission(const refuse_submission&) = delete;
-    refuse_submission& operator=(const refuse_submission&) = delete;
+    explicit refuse_submission(ringverbs::io_context& io) noexcept : refused_(filled(io)) {}
 
   private:
-    decltype(ringverbs::detail::uring_hooks::submit) saved_ = nullptr;
-};
-
-// The next `count` io_uring submissions fail with EBUSY (the completion ring full, as the
-// kernel says), while it lives; later ones go through.
-class refuse_submits {
-  public:
-    explicit refuse_submits(int count) noexcept {
-        left_ = count;
-        ringverbs::detail::io_uring_hooks().submit = [](io_uring* ring) noexcept {
-            return left_-- > 0 ? -EBUSY : saved_(ring);
-        };
+    static int filled(ringverbs::io_context& io) noexcept {
+        ::test::fill_sq(io, 0);
+        return std::numeric_limits<int>::max();
     }
-    ~refuse_submits() { ringverbs::detail::io_uring_hooks().submit = saved_; }
-    refuse_submits(const refuse_submits&) = delete;
-    refuse_submits& operator=(const refuse_submits&) = delete;
-
-  private:
-    static inline int left_ = 0;
-    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_ =
-        ringverbs::detail::io_uring_hooks().submit;
-};
-
-// Leaves exactly one SQE free in `io`'s submission ring (the rest taken by NOPs nobody waits
-// for) and makes that free slot stale, as a slot the ring used before is: it holds a NOP naming
-// this object, so a submission of the slot before anyone prepared it again is counted.
-// (io_uring_get_sqe does not clear a slot; the test gives it back through the ring's tail.)
-struct one_stale_sqe : ringverbs::detail::operation {
-    int submitted_stale = 0;
-    explicit one_stale_sqe(ringverbs::io_context& io) noexcept {
-        on_cqe = [](operation* self, int, unsigned) noexcept {
-            ++static_cast<one_stale_sqe*>(self)->submitted_stale;
-        };
-        io_uring* ring = ringverbs::detail::loop(io).native_ring();
-        while (io_uring_sq_space_left(ring) > 1) {
-            io_uring_sqe* sqe = io_uring_get_sqe(ring);
-            io_uring_prep_nop(sqe);
-            io_uring_sqe_set_data64(sqe, 0);
-        }
-        io_uring_sqe* stale = io_uring_get_sqe(ring);
-        io_uring_prep_nop(stale);
-        io_uring_sqe_set_data(stale, static_cast<operation*>(this));
-        --ring->sq.sqe_tail; // free again, its content left as it is
-    }
+    refuse_submits refused_;
 };
 
 // Aborts the test program, naming `what`, unless destroyed within `limit`: a hang becomes a
