@@ -243,6 +243,9 @@ class session {
     std::string interrupted_reason();
     std::string failed_reason(const ibv_wc& wc);
     task<void> grace_for_disconnect(const ibv_wc& wc);
+    bool on_iwarp() const {
+        return conn_->device().native()->device->transport_type == IBV_TRANSPORT_IWARP;
+    }
     std::string take_reply(const ibv_wc& wc);
     std::string send_ready();
     std::string oversize_note() const;
@@ -366,7 +369,7 @@ void session::start() {
         std::memcpy(&hello, data.data(), sizeof hello);
     server_max_ = ntohl(hello.max_size);
     server_depth_ = ntohl(hello.depth);
-    const bool iwarp = conn_->device().native()->device->transport_type == IBV_TRANSPORT_IWARP;
+    const bool iwarp = on_iwarp();
     if (server_depth_ != 0 && iwarp && std::uint64_t{2} * window_ > server_depth_)
         // The server posts a buffer's receive again once its echo's send completed, while the
         // echo's arrival already lets this side send the next message.
@@ -471,13 +474,14 @@ std::string session::interrupted_reason() {
     return "interrupted";
 }
 
-// On iWARP the QP fails as the TCP stream ends, and a request in progress then may fail with a
-// status of its own (siw: local QP operation error for a send being transmitted) before
-// rdma_cm's DISCONNECTED is read: a failure other than a flush waits up to 2 s for it, so that
-// the server's close reads as that and not as a local failure.
+// On iWARP the QP fails as the TCP stream ends, and a send being transmitted then fails with a
+// status of its own (siw: local QP operation error) before rdma_cm's DISCONNECTED is read: such
+// a send's failure waits up to 2 s for it, so that the server's close reads as that. Not a
+// receive's: siw drops the connection itself on a receive error (a reply longer than the
+// buffer), and that DISCONNECTED would hide the real failure.
 task<void> session::grace_for_disconnect(const ibv_wc& wc) {
-    const bool iwarp = conn_->device().native()->device->transport_type == IBV_TRANSPORT_IWARP;
-    if (!iwarp || closing_ || wc.status == IBV_WC_WR_FLUSH_ERR || conn_->id().is_disconnected())
+    if (!on_iwarp() || closing_ || (wc.wr_id & send_bit) == 0 || wc.status == IBV_WC_WR_FLUSH_ERR ||
+        conn_->id().is_disconnected())
         co_return;
     const result<void> gone = co_await nothrow(conn_->id().disconnected(wait_options(2s)));
     (void)gone; // timed out: a local failure after all
@@ -490,8 +494,7 @@ std::string session::failed_reason(const ibv_wc& wc) {
     // DISCONNECTED: the server closed the connection. On IB/RoCE the QP goes to error only when
     // DISCONNECTED is read (the runtime answers it with rdma_disconnect), so a flush before it
     // is a local failure of the QP.
-    const bool iwarp = conn_->id().native()->verbs->device->transport_type == IBV_TRANSPORT_IWARP;
-    if (conn_->id().is_disconnected() || (iwarp && wc.status == IBV_WC_WR_FLUSH_ERR))
+    if (conn_->id().is_disconnected() || (on_iwarp() && wc.status == IBV_WC_WR_FLUSH_ERR))
         return "the server closed the connection" + oversize_note();
     return std::string(wc.wr_id & send_bit ? "send" : "receive") +
            " failed: " + ibv_wc_status_str(wc.status) +

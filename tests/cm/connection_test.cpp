@@ -1160,13 +1160,14 @@ TEST_CASE_FIXTURE(serving, "a send whose doorbell is refused resets the QP: the 
         verbs::memory_region mr(c.pd(), buf), peer_mr(s.pd(), buf);
         auto peer = s.recv(local_buffer(peer_mr, std::span(buf).subspan(128)), wait_options(10s));
         peer.post(); // the send, which really goes out, lands in it
-        auto r = c.recv(local_buffer(mr, std::span(buf).first(64)));
+        auto r = c.recv(local_buffer(mr, std::span(buf).first(64)), wait_options(10s));
         r.post();
         std::string sent;
         {
             refuse_send_doorbell refused(1);
             try {
-                co_await c.send(local_buffer(mr, std::span(buf).subspan(64, 64)));
+                co_await c.send(local_buffer(mr, std::span(buf).subspan(64, 64)), {},
+                                wait_options(10s));
             } catch (const std::system_error& e) {
                 sent = e.what();
             }

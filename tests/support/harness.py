@@ -124,7 +124,7 @@ def restrack_list(kind, runner=None, where=""):
     names it in the Failure when the command fails."""
     cmd = ["rdma", "-j", "resource", "show", kind]
     if runner is None:
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         rc, out, err = r.returncode, r.stdout, r.stderr
     else:
         rc, out, err = runner(cmd)
