@@ -48,9 +48,11 @@ void post_writes(qp& a, region& src, region& dst, int count) {
 }
 
 // Runs `io` (the watcher's thread) until `done` or 60 s.
-void run_until(io_context& io, const std::atomic<bool>& done) {
+// Runs `io` until `done()` holds, for at most 60 s.
+template <class Done>
+void run_until(io_context& io, Done done) {
     auto wait = [&]() -> task<void> {
-        for (int i = 0; i < 6000 && !done.load(); ++i)
+        for (int i = 0; i < 6000 && !done(); ++i)
             co_await sleep_for(io, 10ms);
     };
     io.run(wait());
@@ -204,9 +206,11 @@ TEST_CASE("device_events routes a CQ overrun to a cq of another thread's io_cont
     io_context watcher_io;
     device_events events(watcher_io, d.ctx);
     std::promise<void> overrun_posted;
+    std::promise<void> overrun_seen;
     std::atomic<bool> done{false};
     std::string what;
     int taken = 0;
+    int capacity = 0;
     bool a_in_error = false;
     std::thread owner([&] {
         io_context io; // the objects' own thread: everything of theirs is made and used here
@@ -224,8 +228,14 @@ TEST_CASE("device_events routes a CQ overrun to a cq of another thread's io_cont
             b(d.pd, other, other, caps);
         auto link = connect_pair(a.native_qp(), b.native_qp(), all_remote);
         region src(d.pd, 64), dst(d.pd, 64);
-        post_writes(a, src, dst, small.capacity() + 16);
+        capacity = small.capacity();
+        post_writes(a, src, dst, capacity + 16);
         overrun_posted.set_value();
+        // The drain starts once the watcher has read the overrun: started at once, it may keep
+        // up with the device for a while (seen on 6.12 under TCG: 14 taken before the overrun),
+        // and what is checked is that the completions polled before it are handed out, then
+        // the error. Bounded: without the event the drain still ends (its own timeout).
+        (void)overrun_seen.get_future().wait_for(30s);
         auto drain = [&]() -> task<void> {
             for (;;) {
                 try {
@@ -242,13 +252,15 @@ TEST_CASE("device_events routes a CQ overrun to a cq of another thread's io_cont
         done = true;
     });
     overrun_posted.get_future().wait();
-    run_until(watcher_io, done);
+    run_until(watcher_io, [&] { return events.counters().events >= 1; });
+    overrun_seen.set_value();
+    run_until(watcher_io, [&] { return done.load(); });
     owner.join();
     MESSAGE("owner thread: " << taken << " completions, then: " << what << "; events read "
                              << events.counters().events << ", posted to the owner "
                              << events.counters().routed_to_other_threads);
     CHECK(what.find("cq::next: IBV_EVENT_CQ_ERR") != std::string::npos);
-    CHECK(taken <= 8);
+    CHECK(taken <= capacity);
     CHECK(a_in_error);
     CHECK(events.counters().events >= 1);
     CHECK(events.counters().routed_to_other_threads >= 1);
