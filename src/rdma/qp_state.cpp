@@ -255,7 +255,10 @@ void qp_state::flush_timer_fired(operation* op, int res, unsigned) noexcept {
             self->watch_flush(); // cancelled when nothing was owed; owed again since
         }
     }
-    if (self->keep_alive && self->pending_count == 0) {
+    // Freed only with no timer of its own in flight: the kernel names the state until that
+    // timer's CQE, so a timer armed again above (or by a handler that reset() ran) keeps it
+    // alive until then.
+    if (self->keep_alive && self->pending_count == 0 && !self->flush_timer_armed) {
         detail::loop(*self->ctx).end_teardown();
         std::shared_ptr<qp_state> last = std::move(self->keep_alive);
         // `self` is freed here, with the QP.
