@@ -142,7 +142,12 @@ def case_partition():
         c = subprocess.Popen([CLIENT, "--address", PEER, "--port", str(s.port), "--count", "100000000",
                               "--inflight", "2", "--reply-timeout", "10"], stdout=open(log, "w"),
                              stderr=subprocess.STDOUT)
-        time.sleep(3)
+        # Mid-stream: connected (its QP on the server's node), then a second of traffic. Not a
+        # fixed wait: in two TCG guests a connect may take longer than one.
+        server_qps = lambda: len(harness.restrack_list("qp", lambda cmd: on_node(2, *cmd), " on node 2"))
+        wait_until(lambda: server_qps() > before[2]["qp"] or c.poll() is not None, 60,
+                   lambda: f"the client connected; its log:\n{open(log).read()}")
+        time.sleep(1)
         check(c.poll() is None, f"client ended before the partition:\n{open(log).read()}")
         cut = time.monotonic()
         netem("loss", "100%")

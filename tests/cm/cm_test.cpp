@@ -183,7 +183,7 @@ TEST_CASE("connect where nothing listens: refused, and the message says so") {
         CHECK(rejected->nothing_listens());
         CHECK_FALSE(rejected->by_peer_application());
     }
-    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s); // before the connect's own bound
 }
 
 // Review (issue 22), finding 3: rdma_disconnect on an id whose connection was never
@@ -201,7 +201,7 @@ TEST_CASE("disconnect() of an id that never got connected returns at once: resol
         io.run(parts.prepare(io, id, addr_at(ip, 20885)));
         const disconnect_outcome d = timed_disconnect(io, id);
         CHECK(d.err == 0);
-        CHECK(d.took < 1s);
+        CHECK(d.took < 3s); // before its 3 s bound: it did not wait for an event
         CHECK(id.is_disconnected());
     }
     SUBCASE("after a connect that was refused (nothing listens)") {
@@ -219,7 +219,7 @@ TEST_CASE("disconnect() of an id that never got connected returns at once: resol
         REQUIRE(io.run(attempt()));
         const disconnect_outcome d = timed_disconnect(io, id);
         CHECK(d.err == 0);
-        CHECK(d.took < 1s);
+        CHECK(d.took < 3s); // before its 3 s bound: it did not wait for an event
         CHECK(id.is_disconnected());
     }
 }
@@ -246,7 +246,7 @@ TEST_CASE("disconnect() after a connect that timed out returns at once" *
     REQUIRE(io.run(attempt()) == ETIMEDOUT);
     const disconnect_outcome d = timed_disconnect(io, id);
     CHECK(d.err == 0);
-    CHECK(d.took < 1s);
+    CHECK(d.took < 3s);
 }
 
 // Only inside tools/softroce-vm, where the device sits on a dummy netdev with no NIC: the
@@ -337,7 +337,7 @@ TEST_CASE("resolve_addr of an address with no route fails fast with a clear erro
         CHECK(errc_of(e) != std::errc::timed_out);
         CHECK(errc_of(e) != std::errc::operation_canceled);
     }
-    CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s); // before its bound: it failed, not waited
 }
 
 TEST_CASE("accept: a timeout, a stop_token, and a destroyed listener end the wait") {
@@ -357,7 +357,7 @@ TEST_CASE("accept: a timeout, a stop_token, and a destroyed listener end the wai
     };
     const auto t0 = std::chrono::steady_clock::now();
     CHECK(io.run(timed()) == std::errc::timed_out);
-    CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+    CHECK(std::chrono::steady_clock::now() - t0 < 10s); // 30 ms, and a slow guest's turns
 
     std::stop_source src;
     auto stopped = [&]() -> task<std::errc> {
@@ -471,7 +471,7 @@ TEST_CASE_FIXTURE(listening, "disconnect from either side mid-stream: the other 
         // Mid-stream: both sides established first. On iWARP the accepting side is
         // established before the connecting one, and siw fails a connect whose peer has
         // closed the stream before its MPA reply was processed (CONNECT_ERROR, EINVAL).
-        for (int i = 0; i < 200 && !stayer_connected; ++i)
+        for (int i = 0; i < 1000 && !stayer_connected; ++i) // as long as a connect may take
             co_await sleep_for(io, 10ms);
         REQUIRE(stayer_connected);
         co_await q.send(out.local(0, 64));
@@ -510,6 +510,7 @@ TEST_CASE_FIXTURE(
     listening, "two coroutines await disconnected(): the first destroys the id, the second reads "
                "nothing freed") {
     int ended = 0;
+    bool both_wait = false; // set once both server coroutines are waiting
     auto server = [&]() -> task<void> {
         cm_id accepted = co_await listener.accept(wait_options(10s));
         auto conn = std::make_unique<cm_id>(std::move(accepted));
@@ -528,14 +529,23 @@ TEST_CASE_FIXTURE(
             co_await id->disconnected();
             ++ended;
         };
-        co_await when_all(first(), second());
+        // Started after the two (when_all starts them in order): they wait by then.
+        auto mark = [&]() -> task<void> {
+            both_wait = true;
+            co_return;
+        };
+        co_await when_all(first(), second(), mark());
     };
     auto client = [&]() -> task<void> {
         cm_id id(events);
         co_await resolve(id, at);
         qp q = id.make_qp(pd, cq_client, cq_client);
         co_await id.connect({}, wait_options(10s));
-        co_await sleep_for(io, 20ms); // both server coroutines wait by now
+        // The disconnect only once both server coroutines wait (else the first could end at
+        // once and free the id the second is about to await). Bounded: 20 s.
+        for (int i = 0; i < 2000 && !both_wait; ++i)
+            co_await sleep_for(io, 10ms);
+        REQUIRE(both_wait);
         co_await id.disconnect(wait_options(10s));
     };
     io.run(when_all(server(), client()));
@@ -551,10 +561,12 @@ TEST_CASE_FIXTURE(listening, "migrate: a listener's thread hands an accepted req
     std::uint64_t worker_events = 0;
     bool worker_saw_disconnect = false;
     std::string worker_failed;
+    bool worker_ready = false; // the worker's own: ready is set once, either way
     std::thread worker([&] {
         try {
             io_context wio;
             cm_channel wchannel(wio);
+            worker_ready = true;
             ready.set_value(&wchannel);
             std::optional<cm_id::in_transit> moving(handed.get_future().get());
             auto serve = [&]() -> task<std::uint32_t> {
@@ -578,9 +590,15 @@ TEST_CASE_FIXTURE(listening, "migrate: a listener's thread hands an accepted req
             worker_events = wchannel.events();
         } catch (const std::exception& e) {
             worker_failed = e.what();
+            // Failed before its channel was handed over: the main thread waits for it.
+            if (!worker_ready) ready.set_value(nullptr);
         }
     });
     cm_channel* target = ready.get_future().get();
+    if (target == nullptr) {
+        worker.join();
+        FAIL("the worker could not make its io_context and cm_channel: " << worker_failed);
+    }
     cq& completions = cq_client;
     region out(pd, 4096), back(pd, 4096);
     fill(out.bytes, 31);

@@ -145,7 +145,16 @@ def run_case(server, mode, args, named, proof, port):
     if server.endswith("--threads 2"):  # two at once: each thread makes its pool once
         ok1, out1 = good_client(server, port, clients=2)
         ok0, out0 = ok0 and ok1, out0 + " / " + out1
-    time.sleep(1)
+    # The good client's connection gone on the server's side first (its QP destroyed: neither
+    # server holds one between clients; a teardown may wait for flushes, seconds in a slow
+    # guest), 30 s at most: a baseline with it would never be met again.
+    gone_by = time.monotonic() + 30
+    while time.monotonic() < gone_by:
+        now = restrack(proc.pid)
+        if not isinstance(now, dict) or now.get("qp", 0) == 0:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)  # the rest of that teardown (its CQ, MRs, cm_id) after the QP
     baseline = restrack(proc.pid)
     # At nice 19: the peer stands for other machines. The flood's 40 processes at the server's
     # priority in one 2-vCPU guest starve it of CPU for tens of seconds (TCG), which no server

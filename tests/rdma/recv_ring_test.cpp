@@ -326,7 +326,7 @@ TEST_CASE_FIXTURE(
             stamp(slot, k);
             co_await lp.a.send(local_buffer(out.mr, slot));
         }
-        for (int spin = 0; ring.ready() < 3 && spin < 100; ++spin)
+        for (int spin = 0; ring.ready() < 3 && spin < 2000; ++spin) // 20 s at most
             co_await sleep_for(io, 10ms);
         REQUIRE(ring.ready() == 3);
         stop.request_stop();

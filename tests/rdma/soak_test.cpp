@@ -64,8 +64,8 @@ std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
     return v != nullptr && *v != 0 ? std::strtoull(v, nullptr, 10) : fallback;
 }
 
-// QPs of this process the kernel's resource tracker knows (iproute2's `rdma`), or -1.
-int kernel_qps_of_this_process() {
+// QPs of this process the kernel's resource tracker knows (iproute2's `rdma`, one dump), or -1.
+int one_dump_of_our_qps() {
     const std::string cmd = "rdma -j resource show qp 2>/dev/null";
     FILE* f = ::popen(cmd.c_str(), "r");
     if (f == nullptr) return -1;
@@ -81,6 +81,19 @@ int kernel_qps_of_this_process() {
         if (next == ',' || next == '}') ++count;
     }
     return count;
+}
+
+// As one_dump_of_our_qps(), read until two dumps in a row agree (5 at most): the kernel resumes
+// a dump by position, so one taken while other processes (tests beside this one) make and
+// destroy QPs may skip or repeat entries (tests/support/harness.py's restrack does the same).
+int kernel_qps_of_this_process() {
+    int last = one_dump_of_our_qps();
+    for (int i = 0; i < 4 && last >= 0; ++i) {
+        const int now = one_dump_of_our_qps();
+        if (now == last) break;
+        last = now;
+    }
+    return last;
 }
 
 struct tally {

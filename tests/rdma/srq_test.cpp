@@ -336,7 +336,7 @@ TEST_CASE("srq: destroying the srq handle ends its low_water() waits with operat
             << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() << " ms");
     REQUIRE(ended.has_value());
     CHECK(*ended == ECANCELED);
-    CHECK(waited < 1s);
+    CHECK(waited < 3s); // before its own bound (the errno says which ended it)
 }
 
 // Review (issue 22), finding 2: rxe raises IBV_EVENT_SRQ_LIMIT_REACHED only when it takes a
@@ -377,7 +377,7 @@ TEST_CASE("srq: low_water(n) with fewer than n receives already posted resumes a
                                              << " ms");
     REQUIRE(first.has_value());
     CHECK(*first == 0);
-    CHECK(first_waited < 1s);
+    CHECK(first_waited < 3s); // before its bound: a wait that waited would say ETIMEDOUT
 
     // Four posted, one taken (its completion seen) before the arm: 3 left, below 4.
     for (std::uint32_t i = 2; i < low; ++i)
@@ -397,7 +397,7 @@ TEST_CASE("srq: low_water(n) with fewer than n receives already posted resumes a
                                                       << ms(second_waited) << " ms");
     REQUIRE(second.has_value());
     CHECK(*second == 0);
-    CHECK(second_waited < 1s);
+    CHECK(second_waited < 3s);
 }
 
 // The count decides an armed wait too: a receive the device took just before the arm raised no
