@@ -154,8 +154,16 @@ def run_case(server, mode, args, named, proof, port):
         if not isinstance(now, dict) or now.get("qp", 0) == 0:
             break
         time.sleep(0.2)
-    time.sleep(0.5)  # the rest of that teardown (its CQ, MRs, cm_id) after the QP
+    # Then the rest of that teardown (its CQ, MRs, cm_id): two reads 0.5 s apart that agree,
+    # 10 s at most.
     baseline = restrack(proc.pid)
+    settled_by = time.monotonic() + 10
+    while time.monotonic() < settled_by:
+        time.sleep(0.5)
+        again = restrack(proc.pid)
+        if again == baseline:
+            break
+        baseline = again
     # At nice 19: the peer stands for other machines. The flood's 40 processes at the server's
     # priority in one 2-vCPU guest starve it of CPU for tens of seconds (TCG), which no server
     # can answer; the kernel's work for their requests (TCP, the CM) still competes with it.

@@ -63,16 +63,22 @@ task<int> burst(loopback& lp, region& out, region& in, int n, std::uint32_t seed
 
 // After `quiet` with no traffic, 50 ms more: the channel did not poll once (it armed and sleeps).
 // The spin ends on a turn that reads the clock (every 32nd empty one): a guest descheduled
-// through `quiet` may not have had that turn yet, so 1 ms naps follow until one sees no poll
-// (5 s at most: a channel that never stops polling still fails below).
+// through `quiet` may not have had that turn yet, so 1 ms naps follow until one sees no poll;
+// the spin must have ended within 3 s of the traffic (many times any window these cases set,
+// and room for a slow guest's turns).
 void check_stops_polling(io_context& io, loopback& lp, std::chrono::milliseconds quiet) {
     auto nap = [&](std::chrono::milliseconds d) -> task<void> { co_await sleep_for(io, d); };
+    const auto t0 = std::chrono::steady_clock::now();
     io.run(nap(quiet));
     for (int i = 0; i < 5000; ++i) {
         const auto polls = lp.ch.counters().polls;
         io.run(nap(1ms));
         if (lp.ch.counters().polls == polls) break;
     }
+    const auto spun = std::chrono::steady_clock::now() - t0;
+    MESSAGE("polling stopped within "
+            << std::chrono::duration_cast<std::chrono::microseconds>(spun).count() << " us");
+    CHECK(spun < 3s);
     const auto polls_before = lp.ch.counters().polls;
     io.run(nap(50ms));
     CHECK(lp.ch.counters().polls == polls_before);
