@@ -148,9 +148,16 @@ def case_killed_client():
         wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the first client's QP destroyed")
         base_fds = s.fds()
         check(s.rdma_objects("mr") == 0, "no MR between clients")
-        steady = start_client(s.port, "--count", "20000", "--inflight", "2")
+        # The doomed client's 2 connections first, then the steady one: started together, the
+        # steady client's 20,000 messages could be done before the doomed one connected (seen on
+        # siw beside the hostile flood: "3 connections open" never true, 2 QPs).
         doomed = start_client(s.port, "--count", "100000000", "--inflight", "8", "--clients", "2")
-        wait_until(lambda: s.rdma_objects("qp") == 3, 30, lambda: f"3 connections open ({s.rdma_objects('qp')} QPs)")
+        wait_until(lambda: s.rdma_objects("qp") == 2, 30,
+                   lambda: f"the doomed client's 2 connections open ({s.rdma_objects('qp')} QPs):\n{text_of(doomed)}")
+        # Its QP is there from its connect to its end, 20,000 round trips later (seconds).
+        steady = start_client(s.port, "--count", "20000", "--inflight", "2")
+        wait_until(lambda: s.rdma_objects("qp") == 3, 30,
+                   lambda: f"3 connections open ({s.rdma_objects('qp')} QPs):\n{text_of(steady)}")
         check(s.rdma_objects("mr") == 3, "one MR per connection")
         time.sleep(1)  # mid-stream
         doomed.kill()
