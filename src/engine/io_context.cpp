@@ -189,7 +189,7 @@ io_context::~io_context() {
     io_uring_queue_exit(&ring_);
 }
 
-io_uring_sqe* io_context::get_sqe(unsigned reserve) {
+io_uring_sqe* io_context::get_sqe_after_room(unsigned reserve) {
     room_for(reserve);
     return io_uring_get_sqe(&ring_);
 }
@@ -392,6 +392,12 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
 std::size_t io_context::resume_ready() {
     // Resume only what was ready at the start: a coroutine that makes another ready (or
     // itself, by yielding) lets this turn end and the ring be looked at again.
+    if (ready_.size() == 1) { // the common turn, without the swap
+        const std::coroutine_handle<> h = ready_.front();
+        ready_.clear();
+        h.resume();
+        return 1;
+    }
     resuming_.swap(ready_);
     std::size_t n = resuming_.size();
     for (std::size_t i = 0; i < n; ++i)

@@ -171,7 +171,15 @@ void event_reader::cqe(operation* op, int res, unsigned) noexcept {
         // whose state is gone (retired here, or living on in a QP) has no user context any
         // more (~cq_state): ring_event counts the event in gone_cq_events.
         const verbs::cq_event ev = verbs::completion_channel::take_event(s.event.cq_handle);
-        if (r->owner != nullptr) r->owner->ring_event(ev.user_context);
+        if (r->owner != nullptr) {
+            if (r->serve_at_once(s, ev.user_context)) {
+                // Its work (a dispatch) cannot end the reader or retire a CQ; should it ever,
+                // settle as below.
+                if (r->in_flight == 0 && (r->owner == nullptr || r->cancelling)) r->settled();
+                return;
+            }
+            r->owner->ring_event(ev.user_context);
+        }
     } else {
         r->ended_without_event(res);
     }
@@ -182,8 +190,47 @@ void event_reader::cqe(operation* op, int res, unsigned) noexcept {
     if (r->owner != nullptr && !r->stopped) detail::loop(*r->ctx).queue_poller(&r->owner->service);
 }
 
+// The fast path of cqe() (see the invariants in rdma_state.hpp): the read of slot `s` brought
+// the event of `cq_context` (counted unacked already). When it is the only read in flight, the
+// channel in events mode has nothing else to do this turn (no other CQ armed, which could
+// have an event still unread; no service pass queued, no CQ waiting to be armed again) and no
+// channel of the io_context has a priority (whose order the poller phase keeps), services
+// that CQ now and queues the next read: returns true. Otherwise false, touching nothing.
+bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
+    channel_state& ch = *owner;
+    if (cq_context == nullptr || in_flight != 0 || wanted != 1 || stopped || cancelling ||
+        ch.error != 0 || ch.options.mode != polling_mode::events || ch.service.queued ||
+        ch.rearm_due || !ch.fired.empty() || ctx->shutting_down() ||
+        detail::loop(*ctx).has_prioritized_sources()) [[unlikely]]
+        return false;
+    cq_state& c = *static_cast<cq_state*>(cq_context);
+    if (ch.armed_cqs != (c.armed ? 1u : 0u)) return false; // another CQ may have an event
+    turn_events = 0;
+    ++ch.counters.wakeups;
+    ++ch.counters.served_at_once;
+    ch.count_event(c);
+    ch.service_fired(c);
+    // The next read, as refill() queues it (the same failure handling; a read that could not
+    // be queued is queued by refill() on this turn's service pass, which counts the attempts).
+    if (owner == nullptr || stopped || cancelling || ch.error != 0) [[unlikely]]
+        return true;
+    if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) [[unlikely]] {
+        ended_without_event(rc);
+        if (!stopped) detail::loop(*ctx).queue_poller(&ch.service);
+        return true;
+    }
+    try {
+        queue(s);
+        failed_attempts = 0;
+    } catch (const std::system_error&) {
+        detail::loop(*ctx).queue_poller(&ch.service);
+    }
+    return true;
+}
+
 channel_state::channel_state(io_context& c, const verbs::context& dev, const channel_options& o)
-    : ctx(&c), channel(dev), device(dev.handle()), options(o), spin_window(o.hybrid_spin) {
+    : ctx(&c), channel(dev), device(dev.handle()), options(o), prioritized(c, o.priority),
+      spin_window(o.hybrid_spin) {
     if (options.poll_batch == 0) options.poll_batch = 1;
     service.owner = this;
     service.priority = options.priority;
@@ -384,11 +431,15 @@ std::optional<std::size_t> channel_state::handle_wakeup() noexcept {
     return found;
 }
 
-// An event of `c`, read by either path.
-void channel_state::take_event(cq_state& c) noexcept {
+void channel_state::count_event(cq_state& c) noexcept {
     ++counters.events;
     ++c.counters.events;
     c.set_armed(false);
+}
+
+// An event of `c`, read by either path.
+void channel_state::take_event(cq_state& c) noexcept {
+    count_event(c);
     // A flag, not a search of `fired`: one wakeup may bring an event from each of thousands
     // of CQs.
     if (!c.in_fired) {

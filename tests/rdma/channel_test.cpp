@@ -793,6 +793,50 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
     CHECK(said_srq == 1);
 }
 
+TEST_CASE("the ring path serves the event of a channel's only armed CQ at once, in the CQE "
+          "loop; never while a channel of the io_context has a priority, nor on the syscall "
+          "path") {
+    struct variant {
+        event_read path;
+        int priority;
+        bool at_once;
+    };
+    for (const variant v : {variant{event_read::ring, 0, true}, variant{event_read::ring, 3, false},
+                            variant{event_read::syscall, 0, false}}) {
+        const std::string path_name = to_string(v.path);
+        CAPTURE(path_name);
+        CAPTURE(v.priority);
+        device dev;
+        io_context io;
+        // One CQ per channel: a's sends complete on ch_a's, b's receives on ch_b's.
+        channel ch_a(io, dev.ctx, channel_options{.priority = v.priority, .read = v.path});
+        channel ch_b(io, dev.ctx, channel_options{.read = v.path});
+        cq cq_a(ch_a), cq_b(ch_b);
+        qp a(dev.pd, cq_a, cq_a), b(dev.pd, cq_b, cq_b);
+        auto link = connect_pair(a.native_qp(), b.native_qp(), all_remote);
+        region out(dev.pd, 64), in(dev.pd, 64);
+        auto exchanges = [&]() -> task<int> {
+            int ok = 0;
+            for (std::uint32_t i = 0; i < 200; ++i)
+                ok += co_await exchange(a, b, out, in, 0, 32, i) ? 1 : 0;
+            co_return ok;
+        };
+        CHECK(io.run(exchanges()) == 200);
+        for (const channel* c : {&ch_a, &ch_b}) {
+            const channel_counters& k = c->counters();
+            CHECK(k.completions == 200);
+            CHECK(k.events > 0);
+            CHECK(k.wakeups > 0);
+            CHECK(k.arms == k.events + 1); // each event re-arms (and the first arm)
+            if (v.at_once)
+                CHECK(k.served_at_once == k.wakeups);
+            else
+                CHECK(k.served_at_once == 0);
+            MESSAGE(k.wakeups << " wakeups, " << k.served_at_once << " served at once");
+        }
+    }
+}
+
 TEST_CASE("channel counters mean the same on both event paths: every event counted, acked and "
           "followed by an arm; wakeups at most one per event") {
     for (event_read path : event_paths) {

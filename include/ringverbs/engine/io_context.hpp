@@ -183,7 +183,13 @@ class io_context {
     // reap. Throws std::system_error naming io_uring_submit (ENOMEM when even that fails;
     // EBUSY after 1,000 refusals). Slots held back by reserve_sqe() are never handed out here
     // (ENOBUFS naming io_uring_get_sqe when the ring could never hold them and `reserve`).
-    io_uring_sqe* get_sqe(unsigned reserve = 1);
+    io_uring_sqe* get_sqe(unsigned reserve = 1) {
+        // Inline where the ring has room (every call but rare ones): room_for() otherwise.
+        if (io_uring_sq_space_left(&ring_) >= reserve + reserved_) [[likely]]
+            return io_uring_get_sqe(&ring_);
+        return get_sqe_after_room(reserve);
+    }
+    io_uring_sqe* get_sqe_after_room(unsigned reserve);
     // Holds back one SQE slot, to be taken later with take_reserved_sqe() (which cannot fail)
     // or given back with release_reserved_sqe(), submitting first when the ring is too full;
     // throws as get_sqe() does. Between the two, get_sqe() may submit what is queued: a slot
@@ -223,6 +229,12 @@ class io_context {
     // sleep: a poller that spins (busy polling) re-queues itself every turn.
     void queue_poller(detail::poller* p) noexcept;
     void dequeue_poller(detail::poller* p) noexcept;
+    // Sources whose pollers have a priority other than 0 (a channel with
+    // channel_options::priority): while any exists, an event source does its work in the poller
+    // phase, in priority order, never earlier in the CQE loop (channel_state's fast path).
+    void add_prioritized_source() noexcept { ++prioritized_sources_; }
+    void remove_prioritized_source() noexcept { --prioritized_sources_; }
+    bool has_prioritized_sources() const noexcept { return prioritized_sources_ != 0; }
     io_uring* native_ring() noexcept { return &ring_; }
 
     friend struct detail::spawned_promise;
@@ -262,6 +274,7 @@ class io_context {
     // CQEs get_sqe() took out of a full completion ring, for reap() to handle.
     std::vector<detail::set_aside_cqe> set_aside_;
     detail::poller* pollers_ = nullptr; // queued pollers, sorted by priority (highest first)
+    std::size_t prioritized_sources_ = 0;
     std::atomic<detail::remote_node*> remote_head_{nullptr};
     std::atomic<bool> stop_requested_{false};
     std::atomic<std::size_t> external_work_{0};
@@ -304,6 +317,9 @@ class io_context_access {
     void push_remote(remote_node* node) noexcept { ctx_->push_remote(node); }
     void queue_poller(poller* p) noexcept { ctx_->queue_poller(p); }
     void dequeue_poller(poller* p) noexcept { ctx_->dequeue_poller(p); }
+    void add_prioritized_source() noexcept { ctx_->add_prioritized_source(); }
+    void remove_prioritized_source() noexcept { ctx_->remove_prioritized_source(); }
+    bool has_prioritized_sources() const noexcept { return ctx_->has_prioritized_sources(); }
     io_uring* native_ring() noexcept { return ctx_->native_ring(); }
 
   private:

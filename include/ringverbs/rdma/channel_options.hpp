@@ -67,7 +67,10 @@ constexpr std::optional<event_read> parse_event_read(std::string_view name) noex
 
 struct channel_options {
     // When several channels of one io_context have completions in the same loop turn, the
-    // coroutines of the higher priority resume first.
+    // coroutines of the higher priority resume first. While a channel with a priority other
+    // than 0 lives, every channel of its io_context services its events in the poller phase
+    // (in that order), never at once in the CQE loop (channel_counters::served_at_once): about
+    // 170 user-space instructions more per wakeup.
     int priority = 0;
     polling_mode mode = polling_mode::events;
     // hybrid: how long to keep polling after the last completion before arming and sleeping.

@@ -23,6 +23,10 @@ struct channel_counters {
     // completion_queue::handle() still held it) and was armed: not dispatched; acked when the
     // CQ goes.
     std::uint64_t gone_cq_events = 0;
+    // Wakeups of the ring path serviced at once, in the io_context's CQE loop: one read in
+    // flight brought the event of the channel's only armed CQ (events mode, no channel of the
+    // io_context with a priority). The others go through the service pass.
+    std::uint64_t served_at_once = 0;
 };
 
 struct cq_counters {

@@ -84,8 +84,14 @@ inline std::uint64_t wr_id_for(wr_op* op, bool last) noexcept {
 // - One read in flight while the events come one per wakeup (each read in flight is woken by
 //   every event: the losers cost the kernel a retry); more (up to slot_count) while every read
 //   comes back with an event and armed CQs may have more.
-// - Its CQE callback runs in the CQE loop: it hands events to the channel's service poller
-//   and never resumes a coroutine.
+// - Its CQE callback runs in the CQE loop and never resumes a coroutine. It hands events to
+//   the channel's service poller, except in the common case of one read in flight bringing the
+//   event of the channel's only armed CQ (events mode, nothing else pending for the channel, no
+//   channel of the io_context with a priority): then it services that CQ at once, as the
+//   service pass would (ack batch, arm, poll until empty, dispatch), and queues the next read
+//   (serve_at_once). What the pass would add (the `fired` list, the poller, the adaptation of
+//   the reads in flight) has nothing to do there; the order of the steps per CQ is the same,
+//   and completions still only make coroutines ready.
 struct event_reader {
     static constexpr std::size_t slot_count = 8;
     struct slot : operation {
@@ -131,6 +137,7 @@ struct event_reader {
     void ended_without_event(int res) noexcept;
     void cancel_reads() noexcept;
     void settled() noexcept;
+    bool serve_at_once(slot& s, void* cq_context) noexcept;
     static void cqe(operation* op, int res, unsigned flags) noexcept;
 };
 
@@ -145,6 +152,21 @@ struct channel_state {
     // verbs::context the channel was made from (a temporary, a moved-from object).
     verbs::context device;
     channel_options options;
+    // Counts a channel with a priority on its io_context (has_prioritized_sources), for as long
+    // as the channel lives: events are then serviced in the poller phase only, in priority order.
+    struct priority_mark {
+        io_context* ctx = nullptr;
+        priority_mark(io_context& c, int priority) noexcept {
+            if (priority == 0) return;
+            ctx = &c;
+            detail::loop(c).add_prioritized_source();
+        }
+        ~priority_mark() {
+            if (ctx) detail::loop(*ctx).remove_prioritized_source();
+        }
+        priority_mark(const priority_mark&) = delete;
+        priority_mark& operator=(const priority_mark&) = delete;
+    } prioritized;
     // Whether the device raises an event for a solicited receive on a CQ armed solicited-only:
     // -1 not asked yet, 0 no (siw), 1 yes. See cq_options::solicited_only.
     int solicited_events = -1;
@@ -181,6 +203,8 @@ struct channel_state {
     read_outcome read_events() noexcept;
     // An event of `c` (read by either path): counted, `c` disarmed and listed in `fired`.
     void take_event(cq_state& c) noexcept;
+    // take_event's counting: `c` had an event (counters; disarmed), not listed in `fired`.
+    void count_event(cq_state& c) noexcept;
     // The ring path: an event a read returned, for the CQ of `cq_context` (a cq_state).
     void ring_event(void* cq_context) noexcept;
     // The ring path was refused (`err`), or failed for a while (`transient`: ENOMEM, ENOBUFS,
