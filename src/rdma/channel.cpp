@@ -172,12 +172,10 @@ void event_reader::cqe(operation* op, int res, unsigned) noexcept {
         // more (~cq_state): ring_event counts the event in gone_cq_events.
         const verbs::cq_event ev = verbs::completion_channel::take_event(s.event.cq_handle);
         if (r->owner != nullptr) {
-            if (r->serve_at_once(s, ev.user_context)) {
-                // Its work (a dispatch) cannot end the reader or retire a CQ; should it ever,
-                // settle as below.
-                if (r->in_flight == 0 && (r->owner == nullptr || r->cancelling)) r->settled();
-                return;
-            }
+            // Its dispatch cannot end the channel or the reader: completion handlers unlink
+            // requests, make waiters ready and queue SQEs, and free nothing (a qp_state goes
+            // from its flush timer's CQE or from user code, on a later turn).
+            if (r->serve_at_once(s, ev.user_context)) return;
             r->owner->ring_event(ev.user_context);
         }
     } else {
@@ -210,8 +208,8 @@ bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
     ++ch.counters.served_at_once;
     ch.count_event(c);
     ch.service_fired(c);
-    // The next read, as refill() queues it (the same failure handling; a read that could not
-    // be queued is queued by refill() on this turn's service pass, which counts the attempts).
+    // The next read, as refill() queues it, with the same failure handling (a read that could
+    // not be queued is queued by refill() on this turn's service pass).
     if (owner == nullptr || stopped || cancelling || ch.error != 0) [[unlikely]]
         return true;
     if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) [[unlikely]] {
@@ -222,7 +220,11 @@ bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
     try {
         queue(s);
         failed_attempts = 0;
-    } catch (const std::system_error&) {
+    } catch (const std::system_error& e) {
+        if (++failed_attempts >= fd_watch::max_retries) {
+            ch.fail(e.code().value());
+            return true;
+        }
         detail::loop(*ctx).queue_poller(&ch.service);
     }
     return true;
