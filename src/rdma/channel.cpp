@@ -87,24 +87,30 @@ void event_reader::refill(std::size_t armed) noexcept {
         if (stopped || cancelling || owner == nullptr) return;
         if (in_flight >= wanted) break;
         if (s.in_flight) continue;
-        if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) {
-            ended_without_event(rc);
-            // Interrupted before it read anything: the event waits in the kernel. Again on
-            // the next turn, so that a run of interruptions cannot hold this one up.
-            if (!stopped) detail::loop(*ctx).queue_poller(&owner->service);
-            return;
-        }
-        try {
-            queue(s);
-            failed_attempts = 0;
-        } catch (const std::system_error& e) {
-            if (++failed_attempts >= fd_watch::max_retries) {
-                owner->fail(e.code().value());
-                return;
-            }
+        if (!read_again(s)) return;
+    }
+}
+
+// Starts a read into `s`. Returns false when it could not: the read failed before it started
+// (interrupted: the event waits in the kernel; tried again on the next turn, so that a run of
+// interruptions cannot hold this one up), or no SQE could be had (again on the next turn; the
+// channel fails after max_retries such turns in a row).
+bool event_reader::read_again(slot& s) noexcept {
+    if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) [[unlikely]] {
+        ended_without_event(rc);
+        if (!stopped) detail::loop(*ctx).queue_poller(&owner->service);
+        return false;
+    }
+    try {
+        queue(s);
+        failed_attempts = 0;
+        return true;
+    } catch (const std::system_error& e) {
+        if (++failed_attempts >= fd_watch::max_retries)
+            owner->fail(e.code().value());
+        else
             detail::loop(*ctx).queue_poller(&owner->service);
-            return;
-        }
+        return false;
     }
 }
 
@@ -208,25 +214,11 @@ bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
     ++ch.counters.served_at_once;
     ch.count_event(c);
     ch.service_fired(c);
-    // The next read, as refill() queues it, with the same failure handling (a read that could
-    // not be queued is queued by refill() on this turn's service pass).
+    // The next read, as refill() queues it (one that could not start is left to refill() on
+    // this turn's service pass).
     if (owner == nullptr || stopped || cancelling || ch.error != 0) [[unlikely]]
         return true;
-    if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) [[unlikely]] {
-        ended_without_event(rc);
-        if (!stopped) detail::loop(*ctx).queue_poller(&ch.service);
-        return true;
-    }
-    try {
-        queue(s);
-        failed_attempts = 0;
-    } catch (const std::system_error& e) {
-        if (++failed_attempts >= fd_watch::max_retries) {
-            ch.fail(e.code().value());
-            return true;
-        }
-        detail::loop(*ctx).queue_poller(&ch.service);
-    }
+    (void)read_again(s);
     return true;
 }
 

@@ -137,6 +137,7 @@ struct event_reader {
     void ended_without_event(int res) noexcept;
     void cancel_reads() noexcept;
     void settled() noexcept;
+    bool read_again(slot& s) noexcept;
     bool serve_at_once(slot& s, void* cq_context) noexcept;
     static void cqe(operation* op, int res, unsigned flags) noexcept;
 };
