@@ -180,7 +180,7 @@ void event_reader::cqe(operation* op, int res, unsigned) noexcept {
         if (r->owner != nullptr) {
             // Its dispatch cannot end the channel or the reader: completion handlers unlink
             // requests, make waiters ready and queue SQEs, and free nothing (a qp_state goes
-            // from its flush timer's CQE or from user code, on a later turn).
+            // in its own flush timer's CQE, or from user code).
             if (r->serve_at_once(s, ev.user_context)) return;
             r->owner->ring_event(ev.user_context);
         }
