@@ -100,13 +100,7 @@ cq_state::~cq_state() {
         channel->reader->retire(std::move(cq));
 }
 
-void cq_state::arm() noexcept {
-    const int rc = hooks().req_notify_cq(cq.native(), arm_solicited ? 1 : 0);
-    if (rc == 0) [[likely]] {
-        set_armed(true);
-        ++counters.arms;
-        return;
-    }
+void cq_state::arm_failed(int rc) noexcept {
     const int err = verbs::verb_errno(rc);
     if (err == EAGAIN || err == EINTR || err == ENOMEM || err == EBUSY) {
         // For a while only: unarmed, the CQ would raise no event. Its channel arms it again
@@ -121,16 +115,7 @@ void cq_state::arm() noexcept {
     fail_waiters(e.code().value());
 }
 
-void cq_state::set_armed(bool on) noexcept {
-    if (on == armed) return;
-    armed = on;
-    if (on)
-        ++channel->armed_cqs;
-    else
-        --channel->armed_cqs;
-}
-
-void cq_state::dispatch(const ibv_wc& wc) noexcept {
+[[gnu::flatten]] void cq_state::dispatch(const ibv_wc& wc) noexcept {
     if (wc.wr_id & wr_tag_ours) {
         auto* op = reinterpret_cast<wr_op*>(wc.wr_id & ~(wr_tag_ours | wr_tag_last));
         op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);

@@ -112,6 +112,25 @@ qp::request::request(detail::qp_state* qp, kind k, const char* name, const detai
     }
 }
 
+qp::request::request(detail::qp_state* qp, const char* name, ibv_wr_opcode opcode,
+                     local_buffer local, remote_buffer remote, unsigned send_flags,
+                     std::optional<std::uint32_t> imm, bool signaled, wait_options options) noexcept
+    : qp_(qp), ctx_(qp->ctx), kind_(kind::send), name_(name), options_(std::move(options)) {
+    on_wc = &qp::request::completed;
+    sge_.addr = reinterpret_cast<std::uintptr_t>(local.addr);
+    sge_.length = local.length;
+    sge_.lkey = local.lkey;
+    signaled_ = signaled;
+    send_wr_ = ibv_send_wr{};
+    send_wr_.opcode = opcode;
+    send_wr_.sg_list = &sge_;
+    send_wr_.num_sge = local.length > 0 ? 1 : 0;
+    send_wr_.send_flags = send_flags | IBV_SEND_SIGNALED;
+    if (imm) send_wr_.imm_data = htobe32(*imm);
+    send_wr_.wr.rdma.remote_addr = remote.addr;
+    send_wr_.wr.rdma.rkey = remote.rkey;
+}
+
 namespace {
 unsigned flags_of(const send_options& o) {
     unsigned f = 0;
@@ -123,14 +142,10 @@ unsigned flags_of(const send_options& o) {
 } // namespace
 
 [[gnu::flatten]] qp::request qp::send(local_buffer data, send_options o, wait_options w) noexcept {
-    wr_request r;
-    r.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
-    r.local = data;
-    r.send_flags = flags_of(o);
-    r.imm = o.imm;
-    r.signaled = o.signaled;
-    return {state_.get(), request::kind::send,
-            o.imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)", r, std::move(w)};
+    const bool imm = o.imm.has_value();
+    const char* name = imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)";
+    const ibv_wr_opcode op = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+    return {state_.get(), name, op, data, {}, flags_of(o), o.imm, o.signaled, std::move(w)};
 }
 
 [[gnu::flatten]] qp::request qp::recv(local_buffer into, wait_options w) noexcept {
@@ -141,25 +156,16 @@ unsigned flags_of(const send_options& o) {
 
 [[gnu::flatten]] qp::request qp::write(local_buffer data, remote_buffer to, send_options o,
                                        wait_options w) noexcept {
-    wr_request r;
-    r.opcode = o.imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-    r.local = data;
-    r.remote = to;
-    r.send_flags = flags_of(o);
-    r.imm = o.imm;
-    r.signaled = o.signaled;
-    return {state_.get(), request::kind::send,
-            o.imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)", r,
-            std::move(w)};
+    const bool imm = o.imm.has_value();
+    const char* name = imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)";
+    const ibv_wr_opcode op = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    return {state_.get(), name, op, data, to, flags_of(o), o.imm, o.signaled, std::move(w)};
 }
 
 [[gnu::flatten]] qp::request qp::read(local_buffer into, remote_buffer from,
                                       wait_options w) noexcept {
-    wr_request r;
-    r.opcode = IBV_WR_RDMA_READ;
-    r.local = into;
-    r.remote = from;
-    return {state_.get(), request::kind::send, "ibv_post_send(RDMA_READ)", r, std::move(w)};
+    return {state_.get(), "ibv_post_send(RDMA_READ)", IBV_WR_RDMA_READ, into, from, 0, {}, true,
+            std::move(w)};
 }
 
 [[gnu::flatten]] qp::request qp::compare_swap(local_buffer old_value, remote_buffer at,

@@ -23,17 +23,15 @@ using detail::qp_state;
 using detail::wr_id_for;
 using verbs::detail::hooks;
 
-qp::request::~request() {
-    if (stage_ == stage::posted || stage_ == stage::abandoned) {
-        // Posted with post() and never awaited: the request still owns its buffer and its
-        // wr_id names this object. Reset the QP: nothing can name us after that.
-        detail::diagnose("%s: a posted request was destroyed before its completion; qp %u is reset",
-                         name_, qp_->qp.qp_num());
-        abandon();
-    }
+// ~request(), of a request posted with post() and never awaited: it still owns its buffer and
+// its wr_id names this object. Reset the QP: nothing can name it after that.
+void qp::request::abandon_unawaited() noexcept {
+    detail::diagnose("%s: a posted request was destroyed before its completion; qp %u is reset",
+                     name_, qp_->qp.qp_num());
+    abandon();
 }
 
-void qp::request::post() {
+[[gnu::flatten]] void qp::request::post() {
     if (stage_ != stage::built) return;
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
         throw_system_error(EINVAL, std::string(name_) +
@@ -151,6 +149,7 @@ bool qp::request::post_unsignaled() {
             : IBV_WC_SEND;
     result_.qp_num = q.qp.qp_num();
     stage_ = stage::done;
+    done_at_post_ = true;
     return true;
 }
 
@@ -249,7 +248,7 @@ std::string described(const char* verb, std::uint32_t qp_num) {
 }
 } // namespace
 
-ibv_wc qp::request::await_resume() {
+ibv_wc qp::request::await_resume_waited() {
     if (stage_ == stage::cancelled_early) throw_system_error(ECANCELED, name_);
     const int interrupted = this->interrupted();
     finish_wait();

@@ -23,12 +23,10 @@ constexpr verbs_hooks real{
     [](ibv_comp_channel*) noexcept { return 0; },
     [](ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept { return ibv_modify_qp(qp, attr, mask); },
 };
-verbs_hooks table = real;
 } // namespace
 
-verbs_hooks& hooks() noexcept {
-    return table;
-}
+constinit verbs_hooks hooks_table = real;
+
 const verbs_hooks& real_verbs() noexcept {
     return real;
 }

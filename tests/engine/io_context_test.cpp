@@ -408,6 +408,75 @@ TEST_CASE("get_sqe() under a refused submission sets CQEs aside; their handlers 
     CHECK(order.size() == 3);
 }
 
+TEST_CASE("a handler whose get_sqe() sets the ring's other CQEs aside: they run in the same "
+          "reap, after it, once each, in order") {
+    io_context io;
+    io.run_once(false); // the ring is enabled, the wakeup read armed
+    struct recorder : ringverbs::detail::operation {
+        io_context* io = nullptr;
+        std::vector<int>* order = nullptr;
+        bool* inside = nullptr;
+        int* during = nullptr;
+        int id = 0;
+    };
+    std::vector<int> order;
+    bool inside_first = false;
+    int handled_inside = 0;
+    static int refusals = 0;
+    recorder ops[3];
+    io_uring* ring = ringverbs::detail::loop(io).native_ring();
+    for (int i = 0; i < 3; ++i) {
+        ops[i].io = &io;
+        ops[i].order = &order;
+        ops[i].inside = &inside_first;
+        ops[i].during = &handled_inside;
+        ops[i].id = i;
+        ops[i].on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
+            auto* r = static_cast<recorder*>(self);
+            if (*r->inside) ++*r->during;
+            r->order->push_back(r->id);
+            if (r->id != 0) return;
+            // The first handler needs an SQE from a full ring whose submission is refused
+            // once: get_sqe() sets the ring's CQEs aside (the other two) and tries again.
+            io_uring* q = ringverbs::detail::loop(*r->io).native_ring();
+            while (io_uring_sq_space_left(q) > 0) {
+                io_uring_sqe* s = io_uring_get_sqe(q);
+                io_uring_prep_nop(s);
+                io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
+            }
+            refusals = 1;
+            *r->inside = true;
+            io_uring_sqe* sqe = ringverbs::detail::loop(*r->io).get_sqe();
+            *r->inside = false;
+            io_uring_prep_nop(sqe);
+            io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
+        };
+        io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data(sqe, static_cast<ringverbs::detail::operation*>(&ops[i]));
+    }
+    REQUIRE(io_uring_submit(ring) == 3); // a NOP completes at once: 3 CQEs wait in the ring
+    REQUIRE(io_uring_cq_ready(ring) == 3);
+    static decltype(ringverbs::detail::io_uring_hooks().submit) real = nullptr;
+    struct restore_submit {
+        decltype(real) saved = ringverbs::detail::io_uring_hooks().submit;
+        ~restore_submit() { ringverbs::detail::io_uring_hooks().submit = saved; }
+    } restore;
+    real = restore.saved;
+    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept {
+        return refusals-- > 0 ? -EBUSY : real(r);
+    };
+    // One turn: its reap runs the first handler, whose get_sqe() takes the other two CQEs out
+    // of the ring; the same reap runs them after it (none inside get_sqe), in order.
+    const std::uint64_t full_before = io.counters().sq_full;
+    io.run_once(false);
+    CHECK(io.counters().sq_full == full_before + 1); // the handler's get_sqe() found no room
+    CHECK(handled_inside == 0);
+    CHECK(order == std::vector<int>{0, 1, 2});
+    io.run_once(false);
+    CHECK(order.size() == 3);
+}
+
 TEST_CASE("a held-back SQE slot is taken only when prepared: a submission that makes room for "
           "others never sends it stale") {
     io_context io;

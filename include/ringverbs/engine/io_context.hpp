@@ -245,10 +245,16 @@ class io_context {
     void room_for(unsigned count);
     void enable_ring();
     void reap();
+    void reap_from(std::size_t due);
     void set_cqes_aside();
     std::size_t resume_ready();
     void run_pollers();
-    void drain_remote();
+    // The checks of the common turn inline, the work out of line.
+    void drain_remote() {
+        if (remote_head_.load(std::memory_order_relaxed) != nullptr) [[unlikely]]
+            run_remote();
+    }
+    void run_remote();
     void arm_wakeup();
     void arm_wakeup_retry();
     void wake() noexcept;

@@ -232,7 +232,10 @@ class qp::request : detail::wr_op, detail::wait_core {
     // completion can name the awaiter after that; the QP's other owed requests end with their
     // flush or a made-up IBV_WC_WR_FLUSH_ERR) and says so on stderr. Connect the QP again to
     // reuse it.
-    ~request();
+    ~request() {
+        if (stage_ == stage::posted || stage_ == stage::abandoned) [[unlikely]]
+            abandon_unawaited();
+    }
 
     // Posts the request now instead of at co_await (pre-posting receives, pipelining):
     //   auto r = q.recv(buf); r.post(); ...; ibv_wc wc = co_await r;
@@ -255,7 +258,11 @@ class qp::request : detail::wr_op, detail::wait_core {
     }
     // Does not suspend when the request ended inside its own post (the QP reset meanwhile).
     bool await_suspend(std::coroutine_handle<> h);
-    ibv_wc await_resume();
+    ibv_wc await_resume() {
+        // An unsignaled request done at its post never waited: nothing to finish or throw.
+        if (done_at_post_) return result_;
+        return await_resume_waited();
+    }
 
   private:
     friend class qp;
@@ -271,12 +278,19 @@ class qp::request : detail::wr_op, detail::wait_core {
 
     request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
             wait_options options) noexcept;
+    // A send, write or read of one buffer, built from its fields (the common requests: no
+    // wr_request to fill and copy).
+    request(detail::qp_state* qp, const char* name, ibv_wr_opcode opcode, local_buffer local,
+            remote_buffer remote, unsigned send_flags, std::optional<std::uint32_t> imm,
+            bool signaled, wait_options options) noexcept;
 
     static void completed(wr_op* op, const ibv_wc& wc, bool last) noexcept;
     // The deadline or the stop while the request is owed: a posted request cannot be
     // recalled, so the QP goes to the error state and the flush decides the wait.
     static bool interrupted_by(wait_core* core, int reason) noexcept;
     void abandon() noexcept;
+    void abandon_unawaited() noexcept;
+    ibv_wc await_resume_waited();
     bool post_unsignaled();
     // Throws for a send whose doorbell was refused after the provider queued it (rc, no
     // request named bad), once the caller has reset the QP.
@@ -302,7 +316,8 @@ class qp::request : detail::wr_op, detail::wait_core {
     std::size_t seen_ = 0;
     stage stage_ = stage::built;
     outcome outcome_ = outcome::ok;
-    bool signaled_ = true; // posted signaled (else unsignaled, see send_options::signaled)
+    bool signaled_ = true;      // posted signaled (else unsignaled, see send_options::signaled)
+    bool done_at_post_ = false; // posted unsignaled: done without a wait (post_unsignaled)
 };
 
 // qp::close_awaitable: returned by qp::close(); co_await it (gives nothing, throws as close()

@@ -14,6 +14,7 @@
 #include <ringverbs/verbs/completion_channel.hpp>
 #include <ringverbs/verbs/completion_queue.hpp>
 #include <ringverbs/verbs/context.hpp>
+#include <ringverbs/verbs/detail/verbs_hooks.hpp>
 #include <ringverbs/verbs/queue_pair.hpp>
 
 #include <infiniband/verbs.h>
@@ -291,8 +292,25 @@ struct cq_state {
     // A pool completion of a QP on an SRQ: counted on the SRQ.
     void note_srq_receive(const ibv_wc& wc) noexcept;
     bool pop(ibv_wc& out) noexcept;
-    void arm() noexcept;
-    void set_armed(bool on) noexcept;
+    // Arms the CQ (ibv_req_notify_cq); a failure is handled out of line (arm_failed).
+    void arm() noexcept {
+        const int rc = verbs::detail::hooks().req_notify_cq(cq.native(), arm_solicited ? 1 : 0);
+        if (rc != 0) [[unlikely]] {
+            arm_failed(rc);
+            return;
+        }
+        set_armed(true);
+        ++counters.arms;
+    }
+    void arm_failed(int rc) noexcept;
+    void set_armed(bool on) noexcept {
+        if (on == armed) return;
+        armed = on;
+        if (on)
+            ++channel->armed_cqs;
+        else
+            --channel->armed_cqs;
+    }
     void fail_waiters(int err) noexcept;
 };
 

@@ -30,8 +30,12 @@ struct verbs_hooks {
     int (*modify_qp)(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) noexcept;
 };
 
-// The table in force (one per process).
-verbs_hooks& hooks() noexcept;
+// The table in force (one per process), constant-initialized to the real verbs. Reached
+// inline: the completion path reads it on every poll, arm, post and event read.
+extern verbs_hooks hooks_table;
+inline verbs_hooks& hooks() noexcept {
+    return hooks_table;
+}
 // The real verbs, to restore the table or to call from a hook.
 const verbs_hooks& real_verbs() noexcept;
 
