@@ -153,6 +153,9 @@ struct side_stats {
     std::uint64_t ivcsw = 0;    // involuntary ones (preemption)
     double cpu_us = 0;          // user + system CPU time of the process
     std::uint64_t setup_us = 0; // set by the program that reports it (scale_bench)
+    // Polls of the CQs that found nothing, over the whole run (not only the window): what a
+    // spinning side did while it waited, for tools/bench-cost to take out of its count.
+    std::uint64_t run_empty_polls = 0;
     char error[160] = {};
 };
 

@@ -729,9 +729,10 @@ struct raw_side {
             }
             ibv_wc wc[4];
             int n;
-            do
+            do {
                 n = ibv_poll_cq(cq.native(), 4, wc);
-            while (n == 0 && !events);
+                if (n == 0) ++stats.run_empty_polls;
+            } while (n == 0 && !events);
             if (n < 0) throw std::runtime_error("ibv_poll_cq failed");
             ibv_wc got{};
             bool have = false;
@@ -794,10 +795,11 @@ void print_counters(const char* name, const bench::side_stats& s, bool last) {
                 ", \"acks\": %" PRIu64 ", \"arms\": %" PRIu64 ", \"polls\": %" PRIu64
                 ", \"empty_polls\": %" PRIu64 ", \"completions\": %" PRIu64
                 ", \"voluntary_ctx_switches\": %" PRIu64 ", \"involuntary_ctx_switches\": %" PRIu64
-                ", \"cpu_us_per_message\": %.3f}%s\n",
+                ", \"cpu_us_per_message\": %.3f, \"run_empty_polls\": %" PRIu64 "}%s\n",
                 name, s.allocations, s.messages, s.seconds, s.ch.wakeups, s.ch.events, s.ch.acks,
                 s.ch.arms, s.ch.polls, s.ch.empty_polls, s.ch.completions, s.vcsw, s.ivcsw,
-                s.messages ? s.cpu_us / static_cast<double>(s.messages) : 0.0, last ? "" : ",");
+                s.messages ? s.cpu_us / static_cast<double>(s.messages) : 0.0, s.run_empty_polls,
+                last ? "" : ",");
 }
 
 // Runs one side. The server hands its stats to the client before either tears its QP down
@@ -808,7 +810,7 @@ int run_process(const config& cfg, bool client, int sock, std::vector<double>& s
         if (cfg.raw) {
             raw_side s(cfg, client, sock);
             s.run(samples);
-            mine = s.stats;
+            mine = s.stats; // run_empty_polls: counted in wait_recv
         } else {
             side s(cfg, client, sock);
             ring_flags = s.io.setup_flags();
@@ -817,6 +819,7 @@ int run_process(const config& cfg, bool client, int sock, std::vector<double>& s
             else
                 s.run_rate();
             mine = s.stats;
+            mine.run_empty_polls = s.ch.counters().empty_polls;
         }
     });
 }

@@ -10,9 +10,14 @@ short and a long run and keeps the difference divided by the extra round trips a
 sides: what one more message costs one side, with the set-up cancelled out.
 
 - instructions: user-space instructions (valgrind --tool=callgrind, both processes), the same
-  total for the same binary and inputs whatever the host does. Only where nothing spins: in
-  events mode a side that waits sleeps in the kernel; busy and hybrid poll in user space while
-  the peer answers, so their instruction counts measure the wait (reported, never gated).
+  total for the same binary and inputs whatever the host does. In events mode a side that
+  waits sleeps in the kernel: the short and the long run's difference is the messages' cost.
+  In busy mode a side that waits polls its CQ, as often as the host's timing lets it: each run
+  reports its empty polls (rdma_bench's run_empty_polls, both sides), and a least-squares fit
+  over four runs of different lengths, total = set-up + per message x messages + per empty poll
+  x empty polls, separates what a message costs from what the spinning cost (busy_fit; the
+  fit's residuals, a few hundred instructions of about ten million, are in cost.json). Hybrid
+  also reads clocks while it spins and sleeps in between: not counted.
 - syscalls: system calls by name (strace -f -c, both processes).
 
 Series: events (ours, reading the CQ events through the ring, the default; ours_syscall, with
@@ -61,8 +66,8 @@ def series(bin_path):
             "ib_send_lat_e": ("perftest", ["ib_send_lat", "-e", "-s", "2"], False),
         },
         "busy": {
-            "ours": (*ours("--mode", "busy"), False),
-            "raw": (*ours("--mode", "busy", "--raw", "1"), False),
+            "ours": (*ours("--mode", "busy"), "fit"),
+            "raw": (*ours("--mode", "busy", "--raw", "1"), "fit"),
             "ib_send_lat": ("perftest", ["ib_send_lat", "-s", "2"], False),
         },
         "hybrid": {
@@ -73,10 +78,15 @@ def series(bin_path):
 
 
 def run_ours(cmd, iters, wrapper, timeout):
+    """Runs rdma_bench; returns its JSON report."""
     full = [*wrapper, *cmd, "--iters", str(iters), "--warmup", "100"]
     r = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(full)}: exit {r.returncode}\n{r.stderr[-2000:]}")
+    try:
+        return json.loads(r.stdout)
+    except ValueError as e:
+        raise RuntimeError(f"{' '.join(full)}: no JSON report ({e})\n{r.stdout[-1000:]}") from e
 
 
 PORTS = harness.Ports(18900)
@@ -102,14 +112,17 @@ def run_perftest(cmd, iters, wrapper_for, timeout):
                            f"{server.returncode}\n{client.stdout[-1500:]}{out[-1500:]}")
 
 
-def callgrind_total(kind, cmd, iters):
+def callgrind_total(kind, cmd, iters, report=None):
+    """User-space instructions of both processes; rdma_bench's report into `report` (a dict)."""
     d = tempfile.mkdtemp(dir=WORK)
     wrap = lambda tag: ["valgrind", "--tool=callgrind", f"--callgrind-out-file={d}/{tag}.%p",
                         "--dump-instr=no", "--compress-strings=no"]
     if kind == "perftest":
         run_perftest(cmd, iters, wrap, 1800)
     else:
-        run_ours(cmd, iters, wrap("run"), 1800)
+        out = run_ours(cmd, iters, wrap("run"), 1800)
+        if report is not None:
+            report.update(out)
     total = 0
     files = glob.glob(f"{d}/*")
     if len(files) < 2:
@@ -121,6 +134,46 @@ def callgrind_total(kind, cmd, iters):
             raise RuntimeError(f"{f}: no instruction total in the callgrind profile")
         total += counts[0]
     return total
+
+
+def solve3(a, v):
+    """x with a x = v (3x3, Cramer's rule)."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(a)
+    if d == 0:
+        raise RuntimeError("busy fit: the runs' lengths and empty polls are not independent")
+    out = []
+    for i in range(3):
+        m = [row[:] for row in a]
+        for r in range(3):
+            m[r][i] = v[r]
+        out.append(det(m) / d)
+    return out
+
+
+def busy_fit(cmd, lengths):
+    """Busy mode: per message and side, and per empty poll, by least squares over the runs."""
+    rows = []
+    for iters in lengths:
+        report = {}
+        total = callgrind_total("ours", cmd, iters, report)
+        try:
+            empty = report["client"]["run_empty_polls"] + report["server"]["run_empty_polls"]
+        except KeyError as e:
+            raise RuntimeError(f"busy fit: rdma_bench reported no run_empty_polls ({e})") from e
+        rows.append((1.0, float(iters), float(empty), float(total)))
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    v = [sum(r[i] * r[3] for r in rows) for i in range(3)]
+    setup, per_round_trip, per_empty = solve3(a, v)
+    residuals = [round(r[3] - (setup + per_round_trip * r[1] + per_empty * r[2])) for r in rows]
+    return {"instructions": round(per_round_trip / 2),  # a round trip: one message per side
+            "per_empty_poll": round(per_empty, 1),
+            "fit": {"runs": [{"iters": int(r[1]), "empty_polls": int(r[2]), "instructions": int(r[3])}
+                             for r in rows],
+                    "residuals": residuals}}
 
 
 def strace_counts(kind, cmd, iters):
@@ -178,7 +231,10 @@ def main():
                 by_name = {k: v for k, v in by_name.items() if abs(v) >= 0.005}
                 entry = {"syscalls": round(sum(by_name.values()), 3), "by_name": by_name,
                          "instructions": None}
-                if count_instructions:
+                if count_instructions == "fit":
+                    step = (a.long - a.short) / 3
+                    entry.update(busy_fit(cmd, [round(a.short + k * step) for k in range(4)]))
+                elif count_instructions:
                     i0, i1 = callgrind_total(kind, cmd, a.short), callgrind_total(kind, cmd, a.long)
                     entry["instructions"] = round((i1 - i0) / extra)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
