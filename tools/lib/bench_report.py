@@ -3,13 +3,14 @@
 
     bench_report.py RESULTS_DIR OUT_HTML
 
-Reads RESULTS_DIR/rdma.json (tools/bench-rdma; required) and, when present, echo.json
-(tools/bench-echo), cluster.json (tools/bench-cluster) and scale.json; a missing one is skipped
-with a line saying so. Writes the plots as SVG files into plots/ next to OUT_HTML and the page,
+Reads RESULTS_DIR/rdma.json (tools/bench-rdma; required) and, when present, cost.json
+(tools/bench-cost), echo.json (tools/bench-echo), cluster.json (tools/bench-cluster) and
+scale.json; a missing one is skipped with a line saying so. Writes the plots as SVG files into plots/ next to OUT_HTML and the page,
 which references them (relative paths: the directory can be copied as a whole).
 
 Plots: the latency distributions (CDF of the half round trips, each series at its best round,
 from rdma.json's latency_samples) of ours next to perftest for events, busy and hybrid; the
+instructions and system calls per message and side of cost.json, with the budgets; the
 per-round ratios ours / perftest with the goals; messages/s (and CPU per message when a file has
 it) against the connection count; scale.json's message rate per QP count as grouped bars and its
 CPU per message against connections. Tables: the headline numbers of each file.
@@ -281,6 +282,84 @@ if os.path.exists(txt):
     with open(txt) as f:
         parts.append("<details><summary>rdma.txt</summary><pre>" + html.escape(f.read()) + "</pre></details>")
 sections.append(("RDMA: ringverbs vs perftest (rdma.json)", "\n".join(parts)))
+
+# ------------------------------------------------------------------------------------------------
+# cost.json (tools/bench-cost): instructions and system calls per message and side, counted
+# ------------------------------------------------------------------------------------------------
+cost = load("cost.json")
+if cost is not None:
+    parts = []
+    meta = cost.get("meta", {})
+    budget = cost.get("budget") or {}
+    parts.append(
+        "<p>"
+        + html.escape(
+            f"Counted, not timed (the same on any host): user-space instructions (callgrind, both processes) "
+            f"and system calls (strace -c -f) per message and side of the 2-byte ping-pong on "
+            f"{meta.get('device', '?')}, kernel {meta.get('kernel', '?')}; events: the {meta.get('long', '?')}-run "
+            f"minus the {meta.get('short', '?')}-run; busy: a fit over four runs that takes the spinning out "
+            f"(README, Benchmarks). Over budget: {', '.join(cost.get('over_budget') or []) or 'nothing'}."
+        )
+        + "</p>"
+    )
+    rows = []  # (label, mode, series)
+    for mode in ("events", "busy", "hybrid"):
+        for name in (cost.get(mode) or {}):
+            rows.append((f"{mode}/{name}", mode, name))
+    counted = [(label, cost[mode][name]["instructions"], g(budget, mode, name, "instructions"))
+               for label, mode, name in rows if g(cost, mode, name, "instructions")]
+    calls = [(label, cost[mode][name].get("by_name") or {}) for label, mode, name in rows
+             if g(cost, mode, name, "syscalls") is not None]
+    if counted or calls:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        if counted:
+            labels = [c[0] for c in counted]
+            colors = [OURS_COLOR if "/ours" in c[0] else RAW_COLOR for c in counted]
+            ax1.barh(labels, [c[1] for c in counted], color=colors)
+            for i, c in enumerate(counted):
+                ax1.text(c[1], i, f" {c[1]:,}", va="center", fontsize=7)
+                if c[2]:
+                    ax1.plot([c[2], c[2]], [i - 0.4, i + 0.4], color="red", linewidth=1.5,
+                             label="budget" if i == next(j for j, d in enumerate(counted) if d[2]) else None)
+            # Issue 23's goals: ours at most 500 over the raw blocking loop (events), 200 over the
+            # raw busy loop (busy).
+            goals = {"events/ours": (g(cost, "events", "raw_read", "instructions"), 500),
+                     "events/ours_syscall": (g(cost, "events", "raw_read", "instructions"), 500),
+                     "busy/ours": (g(cost, "busy", "raw", "instructions"), 200)}
+            first_goal = True
+            for i, c in enumerate(counted):
+                raw, over = goals.get(c[0], (None, 0))
+                if raw:
+                    ax1.plot([raw + over] * 2, [i - 0.4, i + 0.4], color="green", linestyle="--",
+                             linewidth=1.5, label="goal (raw + 500 events, + 200 busy)" if first_goal else None)
+                    first_goal = False
+            ax1.invert_yaxis()
+            ax1.set_xlabel("user-space instructions per message and side")
+            ax1.set_title("instructions (lower is better)")
+            ax1.legend(fontsize=7, loc="lower right")
+        if calls:
+            names = sorted({k for _, by in calls for k in by})
+            left = [0.0] * len(calls)
+            for k in names:
+                vals = [by.get(k, 0.0) for _, by in calls]
+                ax2.barh([c[0] for c in calls], vals, left=left, label=k)
+                left = [a + b for a, b in zip(left, vals)]
+            ax2.invert_yaxis()
+            ax2.set_xlabel("system calls per message and side")
+            ax2.set_title("system calls by name")
+            ax2.legend(fontsize=7, loc="center right", bbox_to_anchor=(1.0, 0.4))
+        parts.append(img(save(fig, "cost_per_message.svg"),
+                         "Instructions and system calls per message and side (tools/bench-cost), with the budgets"))
+    parts.append(
+        table(
+            ["series", "instructions", "budget", "per empty poll (busy)", "system calls", "by name"],
+            [(label, g(cost, mode, name, "instructions"), g(budget, mode, name, "instructions"),
+              g(cost, mode, name, "per_empty_poll"), g(cost, mode, name, "syscalls"),
+              ", ".join(f"{k} {v:g}" for k, v in (g(cost, mode, name, "by_name") or {}).items()))
+             for label, mode, name in rows],
+        )
+    )
+    sections.append(("Cost per message, counted (cost.json)", "\n".join(parts)))
 
 # ------------------------------------------------------------------------------------------------
 # echo.json: messages/s (and CPU per message, when there) against the connection count
