@@ -305,6 +305,7 @@ void io_context::set_cqes_aside() {
         throw_system_error(ENOMEM, "io_uring_submit (no memory to set the completion ring's "
                                    "CQEs aside)");
     }
+    ++ring_emptied_;
     while (io_uring_cq_ready(&ring_) != 0) {
         const detail::set_aside_cqe c = consume_head(ring_);
         if (c.user_data != detail::ignored_user_data) set_aside_.push_back(c); // reserved
@@ -324,14 +325,17 @@ void io_context::reap() {
         return;
     }
     // The common pass: nothing set aside, the CQEs taken from the ring one by one. A handler
-    // that sets CQEs aside hands the rest of the pass (what was set aside first) to reap_from.
+    // whose get_sqe() emptied the ring (setting its CQEs aside, or dropping them when ignored:
+    // the ring may hold fewer than `due` now, even none) hands the rest of the pass to
+    // reap_from, which takes what was set aside first and looks at the ring before each CQE.
+    const std::uint64_t emptied = ring_emptied_;
     for (unsigned due = io_uring_cq_ready(&ring_); due > 0;) {
         --due;
         const detail::set_aside_cqe c = consume_head(ring_);
         if (c.user_data == detail::ignored_user_data) continue;
         auto* op = reinterpret_cast<detail::operation*>(c.user_data);
         op->on_cqe(op, c.res, c.flags);
-        if (!set_aside_.empty()) [[unlikely]] {
+        if (ring_emptied_ != emptied) [[unlikely]] {
             reap_from(due);
             return;
         }

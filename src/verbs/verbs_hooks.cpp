@@ -25,6 +25,9 @@ constexpr verbs_hooks real{
 };
 } // namespace
 
+// Nothing in this file reads it: here a read could be bound to this library's own copy
+// (-fno-semantic-interposition), not to the process's (a test program's copy relocation moves
+// it). Everything else reads it through hooks() (verbs_hooks.hpp).
 constinit verbs_hooks hooks_table = real;
 
 const verbs_hooks& real_verbs() noexcept {

@@ -477,6 +477,61 @@ TEST_CASE("a handler whose get_sqe() sets the ring's other CQEs aside: they run 
     CHECK(order.size() == 3);
 }
 
+TEST_CASE("a handler whose get_sqe() empties the ring of ignored CQEs only: the pass stops at the "
+          "empty ring (review of the common reap pass)") {
+    io_context io;
+    io.run_once(false); // the ring is enabled, the wakeup read armed
+    struct recorder : ringverbs::detail::operation {
+        io_context* io = nullptr;
+        int calls = 0;
+    };
+    static int refusals = 0;
+    static __kernel_timespec later{1, 0}; // fillers that do not complete within the pass
+    recorder first;
+    first.io = &io;
+    first.on_cqe = [](ringverbs::detail::operation* self, int, unsigned) noexcept {
+        auto* r = static_cast<recorder*>(self);
+        ++r->calls;
+        io_uring* q = ringverbs::detail::loop(*r->io).native_ring();
+        while (io_uring_sq_space_left(q) > 0) {
+            io_uring_sqe* s = io_uring_get_sqe(q);
+            io_uring_prep_timeout(s, &later, 0, 0);
+            io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
+        }
+        // Refused once: get_sqe() takes the ring's CQEs out (the ignored one behind this
+        // handler is dropped, nothing is set aside) and submits again.
+        refusals = 1;
+        io_uring_sqe* sqe = ringverbs::detail::loop(*r->io).get_sqe();
+        io_uring_prep_timeout(sqe, &later, 0, 0);
+        io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
+    };
+    io_uring* ring = ringverbs::detail::loop(io).native_ring();
+    io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
+    io_uring_prep_nop(sqe);
+    io_uring_sqe_set_data(sqe, static_cast<ringverbs::detail::operation*>(&first));
+    sqe = ringverbs::detail::loop(io).get_sqe();
+    io_uring_prep_nop(sqe); // an ignored CQE behind it, as a cancel's is
+    io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
+    REQUIRE(io_uring_submit(ring) == 2);
+    REQUIRE(io_uring_cq_ready(ring) == 2);
+    static decltype(ringverbs::detail::io_uring_hooks().submit) real = nullptr;
+    struct restore_submit {
+        decltype(real) saved = ringverbs::detail::io_uring_hooks().submit;
+        ~restore_submit() { ringverbs::detail::io_uring_hooks().submit = saved; }
+    } restore;
+    real = restore.saved;
+    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept {
+        return refusals-- > 0 ? -EBUSY : real(r);
+    };
+    io.run_once(false);
+    CHECK(first.calls == 1);
+    // The pass took no CQE from the empty ring: its head did not pass its tail.
+    CHECK(*ring->cq.khead == io_uring_smp_load_acquire(ring->cq.ktail));
+    CHECK(io_uring_cq_ready(ring) == 0);
+    io.run_once(false);
+    CHECK(first.calls == 1);
+}
+
 TEST_CASE("a held-back SQE slot is taken only when prepared: a submission that makes room for "
           "others never sends it stale") {
     io_context io;

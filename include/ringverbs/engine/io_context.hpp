@@ -279,6 +279,9 @@ class io_context {
     std::vector<std::coroutine_handle<>> resuming_;
     // CQEs get_sqe() took out of a full completion ring, for reap() to handle.
     std::vector<detail::set_aside_cqe> set_aside_;
+    // Times set_cqes_aside() emptied the completion ring (it may set nothing aside: ignored
+    // CQEs are dropped): reap()'s common pass hands over to reap_from() when this changes.
+    std::uint64_t ring_emptied_ = 0;
     detail::poller* pollers_ = nullptr; // queued pollers, sorted by priority (highest first)
     std::size_t prioritized_sources_ = 0;
     std::atomic<detail::remote_node*> remote_head_{nullptr};
