@@ -151,6 +151,7 @@ spin = rdma.get("hybrid_spin_us", "?")
 spin_max = rdma.get("hybrid_spin_max_us", "?")
 rows = [
     ("latency, events (us)", g(med, "ours", "lat_events_us", "best"), "ib_send_lat -e", g(med, "perftest", "ib_send_lat_e_us", "best"), "events_vs_ib_send_lat_e"),
+    ("latency, events, syscall path (us)", g(med, "ours", "lat_events_syscall_us", "best"), "ib_send_lat -e", g(med, "perftest", "ib_send_lat_e_us", "best"), "events_syscall_vs_ib_send_lat_e"),
     ("latency, busy (us)", g(med, "ours", "lat_busy_us", "best"), "ib_send_lat", g(med, "perftest", "ib_send_lat_us", "best"), "busy_vs_ib_send_lat"),
     (f"latency, hybrid {spin} us (us)", g(med, "ours", "lat_hybrid_us", "best"), "ib_send_lat", g(med, "perftest", "ib_send_lat_us", "best"), "hybrid_vs_ib_send_lat"),
     ("latency, hybrid 50 us default (us)", g(med, "ours", "lat_hybrid_default_spin_us", "best"), "ib_send_lat", g(med, "perftest", "ib_send_lat_us", "best"), "hybrid_default_spin_vs_ib_send_lat"),
@@ -183,7 +184,7 @@ parts.append(
 # Latency CDFs.
 samples = g(rdma, "latency_samples", "series") or {}
 cdf_modes = [
-    ("events", [("lat_events", "ours (events)", OURS_COLOR, "-"), ("pt_lat_e", "ib_send_lat -e", PERFTEST_COLOR, "-"), ("raw_events", "raw verbs (events)", RAW_COLOR, "--"), ("raw_uring_events", "raw verbs, liburing wait", RAW_COLOR, ":")]),
+    ("events", [("lat_events", "ours (events)", OURS_COLOR, "-"), ("lat_events_syscall", "ours (events, syscall path)", OURS_COLOR, "--"), ("pt_lat_e", "ib_send_lat -e", PERFTEST_COLOR, "-"), ("raw_events", "raw verbs (events)", RAW_COLOR, "--"), ("raw_uring_events", "raw verbs, liburing wait", RAW_COLOR, ":")]),
     ("busy", [("lat_busy", "ours (busy)", OURS_COLOR, "-"), ("pt_lat", "ib_send_lat", PERFTEST_COLOR, "-"), ("raw_busy", "raw verbs (busy)", RAW_COLOR, "--")]),
     ("hybrid", [("lat_hybrid", f"ours (hybrid, {spin} us spin)", OURS_COLOR, "-"), ("pt_lat", "ib_send_lat (busy)", PERFTEST_COLOR, "-")]),
 ]
@@ -217,7 +218,7 @@ else:
         parts.append("<h3>Latency distributions</h3>")
         parts.append('<div class="row">' + "".join(cdf_figs) + "</div>")
         qrows = []
-        for key in ("lat_events", "pt_lat_e", "raw_events", "raw_uring_events", "lat_busy", "pt_lat", "raw_busy", "lat_hybrid"):
+        for key in ("lat_events", "lat_events_syscall", "pt_lat_e", "raw_events", "raw_uring_events", "lat_busy", "pt_lat", "raw_busy", "lat_hybrid"):
             s = samples.get(key)
             if not s or not s.get("quantiles"):
                 continue
@@ -233,6 +234,7 @@ if prr:
     rounds = [r.get("round") for r in prr]
     for key, label, marker in (
         ("events_vs_ib_send_lat_e", "events / ib_send_lat -e", "o"),
+        ("events_syscall_vs_ib_send_lat_e", "events, syscall path / ib_send_lat -e", "x"),
         ("busy_vs_ib_send_lat", "busy / ib_send_lat", "s"),
         ("hybrid_vs_ib_send_lat", f"hybrid {spin} us / ib_send_lat", "^"),
         ("hybrid_adaptive_vs_ib_send_lat", "hybrid adaptive / ib_send_lat", "v"),
