@@ -195,8 +195,8 @@ def fit_rows(rows):
     # The per-round-trip term's standard error: residual variance x (A^-1)[1][1].
     dof = len(rows) - 3
     variance = sum(x * x for x in residuals) / dof if dof > 0 else float("inf")
-    inv11 = solve3(a, [0.0, 1.0, 0.0])[1]
-    se = (variance * inv11) ** 0.5 / 2 if variance != float("inf") else float("inf")
+    inv11 = solve3(a, [0.0, 1.0, 0.0])[1]  # <= 0 only from rounding in a near-singular fit
+    se = (variance * inv11) ** 0.5 / 2 if variance != float("inf") and inv11 > 0 else float("inf")
     return {"instructions": round(per_round_trip / 2),  # a round trip: one message per side
             "per_empty_poll": round(per_empty, 1),
             "per_message_se": round(se, 2),

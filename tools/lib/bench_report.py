@@ -268,7 +268,7 @@ if prr:
     ax2.legend(fontsize=7)
     parts.append("<h3>Per-round ratios</h3>")
     parts.append(img(save(fig, "ratios_per_round.svg"), "ours / perftest per round, per mode, with the goals"))
-    keys = ["events_vs_ib_send_lat_e", "busy_vs_ib_send_lat", "hybrid_vs_ib_send_lat", "hybrid_default_spin_vs_ib_send_lat",
+    keys = ["events_vs_ib_send_lat_e", "events_syscall_vs_ib_send_lat_e", "busy_vs_ib_send_lat", "hybrid_vs_ib_send_lat", "hybrid_default_spin_vs_ib_send_lat",
             "hybrid_adaptive_vs_ib_send_lat", "events_vs_raw_events", "busy_vs_raw_busy", "rate_vs_ib_send_bw", "rate_events_vs_ib_send_bw_e"]
     parts.append(table(["round"] + [k.replace("_vs_", " / ") for k in keys], [[x.get("round")] + [x.get(k) for k in keys] for x in prr], "small"))
 
@@ -291,7 +291,7 @@ sections.append(("RDMA: ringverbs vs perftest (rdma.json)", "\n".join(parts)))
 cost = load("cost.json")
 if cost is not None:
     parts = []
-    meta = cost.get("meta", {})
+    meta = cost.get("meta") or {}
     budget = cost.get("budget") or {}
     parts.append(
         "<p>"
