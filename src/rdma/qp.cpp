@@ -91,16 +91,8 @@ qp::request::request(detail::qp_state* qp, kind k, const char* name, const detai
         recv_wr_.num_sge = 1;
         return;
     }
-    send_wr_ = ibv_send_wr{};
+    start_send(r.opcode, r.local.length, r.send_flags, r.imm);
     send_chain_ = r.send_chain;
-    send_wr_.opcode = r.opcode;
-    send_wr_.sg_list = &sge_;
-    send_wr_.num_sge = r.local.length > 0 || r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
-                               r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD
-                           ? 1
-                           : 0;
-    send_wr_.send_flags = r.send_flags | IBV_SEND_SIGNALED;
-    if (r.imm) send_wr_.imm_data = htobe32(*r.imm);
     if (r.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || r.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
         send_wr_.wr.atomic.remote_addr = r.remote.addr;
         send_wr_.wr.atomic.rkey = r.remote.rkey;
@@ -121,14 +113,24 @@ qp::request::request(detail::qp_state* qp, const char* name, ibv_wr_opcode opcod
     sge_.length = local.length;
     sge_.lkey = local.lkey;
     signaled_ = signaled;
+    start_send(opcode, local.length, send_flags, imm);
+    send_wr_.wr.rdma.remote_addr = remote.addr;
+    send_wr_.wr.rdma.rkey = remote.rkey;
+}
+
+// What every send-queue request's work request has: its opcode, the one buffer (none when
+// empty, except for an atomic, which always writes the old value), the flags (posted signaled
+// unless post_unsignaled says otherwise) and the immediate.
+void qp::request::start_send(ibv_wr_opcode opcode, std::uint32_t length, unsigned send_flags,
+                             std::optional<std::uint32_t> imm) noexcept {
     send_wr_ = ibv_send_wr{};
     send_wr_.opcode = opcode;
     send_wr_.sg_list = &sge_;
-    send_wr_.num_sge = local.length > 0 ? 1 : 0;
+    const bool atomic =
+        opcode == IBV_WR_ATOMIC_CMP_AND_SWP || opcode == IBV_WR_ATOMIC_FETCH_AND_ADD;
+    send_wr_.num_sge = length > 0 || atomic ? 1 : 0;
     send_wr_.send_flags = send_flags | IBV_SEND_SIGNALED;
     if (imm) send_wr_.imm_data = htobe32(*imm);
-    send_wr_.wr.rdma.remote_addr = remote.addr;
-    send_wr_.wr.rdma.rkey = remote.rkey;
 }
 
 namespace {

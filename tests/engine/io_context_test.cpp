@@ -422,7 +422,6 @@ TEST_CASE("a handler whose get_sqe() sets the ring's other CQEs aside: they run 
     std::vector<int> order;
     bool inside_first = false;
     int handled_inside = 0;
-    static int refusals = 0;
     recorder ops[3];
     io_uring* ring = ringverbs::detail::loop(io).native_ring();
     for (int i = 0; i < 3; ++i) {
@@ -438,13 +437,8 @@ TEST_CASE("a handler whose get_sqe() sets the ring's other CQEs aside: they run 
             if (r->id != 0) return;
             // The first handler needs an SQE from a full ring whose submission is refused
             // once: get_sqe() sets the ring's CQEs aside (the other two) and tries again.
-            io_uring* q = ringverbs::detail::loop(*r->io).native_ring();
-            while (io_uring_sq_space_left(q) > 0) {
-                io_uring_sqe* s = io_uring_get_sqe(q);
-                io_uring_prep_nop(s);
-                io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
-            }
-            refusals = 1;
+            test::fill_sq(*r->io, 0);
+            const test::refuse_submits refuse(1);
             *r->inside = true;
             io_uring_sqe* sqe = ringverbs::detail::loop(*r->io).get_sqe();
             *r->inside = false;
@@ -457,15 +451,6 @@ TEST_CASE("a handler whose get_sqe() sets the ring's other CQEs aside: they run 
     }
     REQUIRE(io_uring_submit(ring) == 3); // a NOP completes at once: 3 CQEs wait in the ring
     REQUIRE(io_uring_cq_ready(ring) == 3);
-    static decltype(ringverbs::detail::io_uring_hooks().submit) real = nullptr;
-    struct restore_submit {
-        decltype(real) saved = ringverbs::detail::io_uring_hooks().submit;
-        ~restore_submit() { ringverbs::detail::io_uring_hooks().submit = saved; }
-    } restore;
-    real = restore.saved;
-    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept {
-        return refusals-- > 0 ? -EBUSY : real(r);
-    };
     // One turn: its reap runs the first handler, whose get_sqe() takes the other two CQEs out
     // of the ring; the same reap runs them after it (none inside get_sqe), in order.
     const std::uint64_t full_before = io.counters().sq_full;
@@ -485,7 +470,6 @@ TEST_CASE("a handler whose get_sqe() empties the ring of ignored CQEs only: the 
         io_context* io = nullptr;
         int calls = 0;
     };
-    static int refusals = 0;
     static __kernel_timespec later{60, 0}; // fillers that do not complete within the pass
                                            // (~io_context cancels them)
     recorder first;
@@ -494,14 +478,14 @@ TEST_CASE("a handler whose get_sqe() empties the ring of ignored CQEs only: the 
         auto* r = static_cast<recorder*>(self);
         ++r->calls;
         io_uring* q = ringverbs::detail::loop(*r->io).native_ring();
-        while (io_uring_sq_space_left(q) > 0) {
+        while (io_uring_sq_space_left(q) > 0) { // not fill_sq: NOPs would complete at once
             io_uring_sqe* s = io_uring_get_sqe(q);
             io_uring_prep_timeout(s, &later, 0, 0);
             io_uring_sqe_set_data64(s, ringverbs::detail::ignored_user_data);
         }
         // Refused once: get_sqe() takes the ring's CQEs out (the ignored one behind this
         // handler is dropped, nothing is set aside) and submits again.
-        refusals = 1;
+        const test::refuse_submits refuse(1);
         io_uring_sqe* sqe = ringverbs::detail::loop(*r->io).get_sqe();
         io_uring_prep_timeout(sqe, &later, 0, 0);
         io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
@@ -515,15 +499,6 @@ TEST_CASE("a handler whose get_sqe() empties the ring of ignored CQEs only: the 
     io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
     REQUIRE(io_uring_submit(ring) == 2);
     REQUIRE(io_uring_cq_ready(ring) == 2);
-    static decltype(ringverbs::detail::io_uring_hooks().submit) real = nullptr;
-    struct restore_submit {
-        decltype(real) saved = ringverbs::detail::io_uring_hooks().submit;
-        ~restore_submit() { ringverbs::detail::io_uring_hooks().submit = saved; }
-    } restore;
-    real = restore.saved;
-    ringverbs::detail::io_uring_hooks().submit = [](io_uring* r) noexcept {
-        return refusals-- > 0 ? -EBUSY : real(r);
-    };
     io.run_once(false);
     CHECK(first.calls == 1);
     // The pass took no CQE from the empty ring: its head did not pass its tail.

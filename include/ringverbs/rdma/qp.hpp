@@ -290,6 +290,8 @@ class qp::request : detail::wr_op, detail::wait_core {
     static bool interrupted_by(wait_core* core, int reason) noexcept;
     void abandon() noexcept;
     void abandon_unawaited() noexcept;
+    void start_send(ibv_wr_opcode opcode, std::uint32_t length, unsigned send_flags,
+                    std::optional<std::uint32_t> imm) noexcept;
     ibv_wc await_resume_waited();
     bool post_unsignaled();
     // Throws for a send whose doorbell was refused after the provider queued it (rc, no
