@@ -857,6 +857,131 @@ TEST_CASE("the ring path serves the event of a channel's only armed CQ at once, 
     }
 }
 
+namespace {
+// Two channels of one CQ each (a's sends on ch_a's, b's receives on ch_b's): on the ring path
+// every wakeup of either is served at once, in the CQE loop (the case above).
+struct at_once_pair {
+    channel ch_a, ch_b;
+    cq cq_a, cq_b;
+    qp a, b;
+    pair_link link;
+    region out, in;
+    at_once_pair(device& dev, io_context& io)
+        : ch_a(io, dev.ctx), ch_b(io, dev.ctx), cq_a(ch_a), cq_b(ch_b), a(dev.pd, cq_a, cq_a),
+          b(dev.pd, cq_b, cq_b), out(dev.pd, 64), in(dev.pd, 64) {
+        link = connect_pair(a.native_qp(), b.native_qp(), all_remote);
+    }
+    task<int> exchanges(int n, std::uint32_t seed) {
+        int ok = 0;
+        for (int i = 0; i < n; ++i)
+            ok += co_await exchange(a, b, out, in, 0, 32, seed + static_cast<std::uint32_t>(i)) ? 1
+                                                                                                : 0;
+        co_return ok;
+    }
+};
+} // namespace
+
+TEST_CASE("a next read that finds no SQE, at once or in the pass, is queued on a later turn: "
+          "nothing lost, the channel stays on the ring") {
+    watchdog wd(60s, "reads without an SQE");
+    device dev;
+    io_context io;
+    at_once_pair p(dev, io);
+    REQUIRE(p.ch_a.event_path() == event_read::ring);
+    CHECK(io.run(p.exchanges(5, 0)) == 5); // reads worked; each channel has its one in flight
+    const std::uint64_t at_once_a = p.ch_a.counters().served_at_once;
+    const std::uint64_t at_once_b = p.ch_b.counters().served_at_once;
+    {
+        // From here, a read is only queued after its channel's event: the first starved one of
+        // each channel is the at-once service's next read; the ones after it, the pass's
+        // refill on the turns that follow.
+        starve_event_reads starved(io, 6);
+        CHECK(io.run(p.exchanges(100, 5)) == 100);
+        CHECK(starve_event_reads::starved() == 6);
+        CHECK(starve_event_reads::refusals_left() == 0); // each starved get_sqe gave up
+    }
+    CHECK(io.run(p.exchanges(20, 105)) == 20);
+    for (const channel* c : {&p.ch_a, &p.ch_b}) {
+        CHECK(c->error() == 0);
+        CHECK(c->event_path() == event_read::ring);
+        CHECK(c->counters().completions == 125);
+        CHECK(c->counters().events > 0);
+    }
+    CHECK(p.ch_a.counters().served_at_once > at_once_a);
+    CHECK(p.ch_b.counters().served_at_once > at_once_b);
+}
+
+TEST_CASE("reads that find no SQE max_retries turns in a row fail the channel with EBUSY, with a "
+          "diagnostics line; what its QPs owe ends once, their posts are refused") {
+    watchdog wd(120s, "reads without an SQE, for good");
+    device dev;
+    io_context io;
+    std::vector<std::string> lines;
+    static std::vector<std::string>* seen = nullptr;
+    seen = &lines;
+    struct restore_sink {
+        diagnostics_sink before =
+            set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
+        ~restore_sink() { set_diagnostics_sink(before); }
+    };
+    const restore_sink restore;
+    at_once_pair p(dev, io);
+    CHECK(io.run(p.exchanges(5, 0)) == 5);
+    constexpr int max_retries = static_cast<int>(ringverbs::detail::fd_watch::max_retries);
+    struct ended {
+        int resumed = 0, ok = -1, error = 0;
+        std::string what;
+    };
+    ended owed, later;
+    {
+        starve_event_reads starved(io, 1 << 30);
+        // The exchange whose events bring each channel's first starved read completes (its
+        // completions were dispatched before the next read was queued).
+        CHECK(io.run(p.exchanges(1, 5)) == 1);
+        // The next one is owed when the channels fail, max_retries turns later: it ends once,
+        // with the completions the device made (polled when the failure resets the QP) or with
+        // the failure.
+        auto owe = [&]() -> task<void> {
+            try {
+                owed.ok = co_await p.exchanges(1, 6);
+            } catch (const std::system_error& e) {
+                owed.error = e.code().value();
+                owed.what = e.what();
+            }
+            ++owed.resumed;
+        };
+        io.run(owe());
+        // max_retries starved reads per channel, then no more (a failed channel reads nothing).
+        CHECK(starve_event_reads::starved() == 2 * max_retries);
+    }
+    CHECK(owed.resumed == 1);
+    CHECK((owed.ok == 1 || owed.error == EBUSY));
+    MESSAGE("owed exchange: ok " << owed.ok << ", error " << owed.error << " " << owed.what);
+    for (const channel* c : {&p.ch_a, &p.ch_b})
+        CHECK(c->error() == EBUSY);
+    auto post_later = [&]() -> task<void> {
+        try {
+            (void)co_await p.a.send(p.out.local(0, 8));
+        } catch (const std::system_error& e) {
+            later.error = e.code().value();
+            later.what = e.what();
+        }
+        ++later.resumed;
+    };
+    io.run(post_later());
+    CHECK(later.resumed == 1);
+    CHECK(later.error == EBUSY);
+    CHECK(later.what.find("a completion channel of its CQs failed") != std::string::npos);
+    int said = 0;
+    for (const std::string& line : lines) {
+        MESSAGE(line);
+        if (line.find("reading its events through io_uring failed: Device or resource busy") !=
+            std::string::npos)
+            ++said;
+    }
+    CHECK(said == 2);
+}
+
 TEST_CASE("channel counters mean the same on both event paths: every event counted, acked and "
           "followed by an arm; wakeups at most one per event") {
     for (event_read path : event_paths) {

@@ -281,6 +281,57 @@ class fail_ring_reads {
 using ::test::one_stale_sqe;
 using ::test::refuse_submits;
 
+// The next `count` ring reads of completion events find no SQE when they are queued: at the
+// moment a read is about to be queued (its start_event_read), `io`'s submission ring is filled
+// (NOPs nobody waits for) and io_uring_submit refused (EBUSY) exactly as many times as
+// io_context::get_sqe tries it (1,001), so the read's get_sqe throws "io_uring_submit" as a
+// ring that cannot be drained makes it. The loop's own submission of the turn (not hooked)
+// sends the NOPs on. Counts the starved reads; while it lives.
+class starve_event_reads {
+  public:
+    starve_event_reads(ringverbs::io_context& io, int count) noexcept {
+        io_ = &io;
+        left_ = count;
+        starved_ = 0;
+        refuse_ = 0;
+        saved_submit_ = ringverbs::detail::io_uring_hooks().submit;
+        ringverbs::detail::io_uring_hooks().submit = [](io_uring* ring) noexcept {
+            if (refuse_ > 0) {
+                --refuse_;
+                return -EBUSY;
+            }
+            return saved_submit_(ring);
+        };
+        ringverbs::verbs::detail::hooks().start_event_read = [](ibv_comp_channel* ch) noexcept {
+            if (left_ > 0) {
+                --left_;
+                ++starved_;
+                ::test::fill_sq(*io_, 0);
+                refuse_ = get_sqe_submits;
+            }
+            return ringverbs::verbs::detail::real_verbs().start_event_read(ch);
+        };
+    }
+    ~starve_event_reads() {
+        ringverbs::detail::io_uring_hooks().submit = saved_submit_;
+        ringverbs::verbs::detail::hooks().start_event_read =
+            ringverbs::verbs::detail::real_verbs().start_event_read;
+    }
+    starve_event_reads(const starve_event_reads&) = delete;
+    starve_event_reads& operator=(const starve_event_reads&) = delete;
+    static int starved() noexcept { return starved_; }
+    // Submissions refused and not yet asked for (0 once every starved get_sqe gave up).
+    static int refusals_left() noexcept { return refuse_; }
+
+  private:
+    static constexpr int get_sqe_submits = 1001; // io_context::room_for: attempts 0..1000
+    static inline ringverbs::io_context* io_ = nullptr;
+    static inline int left_ = 0;
+    static inline int starved_ = 0;
+    static inline int refuse_ = 0;
+    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit_ = nullptr;
+};
+
 // Leaves `io`'s submission ring full (NOPs whose CQEs nobody waits for) and makes submitting
 // fail (EBUSY), while it lives: every wait that needs an SQE throws "io_uring_submit".
 class refuse_submission {
