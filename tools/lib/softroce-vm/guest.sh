@@ -101,8 +101,12 @@ if [ "$node" = 1 ]; then
   done
   [ -f "$C/ready.2" ] || fail "node 2 did not come up within 60 s"
 fi
+# The start is claimed atomically (mkdir on the host's directory): the host's boot watchdog
+# claims it too before it stops a guest that took too long, so that a command never starts in
+# a guest about to be stopped, and one that started is never stopped by it (and never run again).
+mkdir "$R/started" 2>/dev/null || fail "the host stopped waiting for this boot (RINGVERBS_VM_BOOT_LIMIT)"
 read -r up _ </proc/uptime
-echo "$up" >"$R/ready"
+echo "$up" >"$R/ready" || fail "could not write $R/ready"
 log "running the command"
 
 exec </dev/null >>"$R/stdout" 2>>"$R/stderr"
