@@ -205,7 +205,7 @@ void io_context::room_for(unsigned count) {
         enable_ring();
         int r = detail::io_uring_hooks().submit(&ring_);
         if (r >= 0 || r == -EINTR) continue;
-        if ((r == -EBUSY || r == -EAGAIN) && attempt < 1000) {
+        if ((r == -EBUSY || r == -EAGAIN) && attempt + 1 < detail::get_sqe_submit_attempts) {
             set_cqes_aside(); // make room in the completion ring, then try again
             continue;
         }

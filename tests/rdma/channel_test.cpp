@@ -11,6 +11,7 @@
 
 #include <poll.h>
 
+#include <array>
 #include <barrier>
 #include <chrono>
 #include <optional>
@@ -889,16 +890,47 @@ TEST_CASE("a next read that finds no SQE, at once or in the pass, is queued on a
     at_once_pair p(dev, io);
     REQUIRE(p.ch_a.event_path() == event_read::ring);
     CHECK(io.run(p.exchanges(5, 0)) == 5); // reads worked; each channel has its one in flight
-    const std::uint64_t at_once_a = p.ch_a.counters().served_at_once;
-    const std::uint64_t at_once_b = p.ch_b.counters().served_at_once;
+    // What each channel's counters said at each of its starved reads.
+    struct sample {
+        int fd;
+        std::uint64_t served_at_once, wakeups;
+    };
+    static std::array<sample, 16> samples;
+    static std::size_t n_samples = 0;
+    static at_once_pair* pair = nullptr;
+    n_samples = 0;
+    pair = &p;
+    const auto at_once_before = [&](const channel& c) { return c.counters().served_at_once; };
+    const std::uint64_t base_a = at_once_before(p.ch_a), base_b = at_once_before(p.ch_b);
+    CHECK(p.ch_a.counters().wakeups == base_a); // every wakeup so far served at once
+    CHECK(p.ch_b.counters().wakeups == base_b);
     {
-        // From here, a read is only queued after its channel's event: the first starved one of
-        // each channel is the at-once service's next read; the ones after it, the pass's
-        // refill on the turns that follow.
-        starve_event_reads starved(io, 6);
+        // Three starved reads a channel. From here a read is only queued after its channel's
+        // event (one read in flight, none after it starves): the first starved one of each
+        // channel is queued by the at-once service of that event (served_at_once one more than
+        // before); the next two by the pass's refill on later turns (no event in between).
+        starve_event_reads starved(io, 3, [](int fd) noexcept {
+            const channel& c = fd == pair->ch_a.fd() ? pair->ch_a : pair->ch_b;
+            if (n_samples < samples.size())
+                samples[n_samples++] = {fd, c.counters().served_at_once, c.counters().wakeups};
+        });
         CHECK(io.run(p.exchanges(100, 5)) == 100);
-        CHECK(starve_event_reads::starved() == 6);
+        CHECK(starve_event_reads::starved(p.ch_a.fd()) == 3);
+        CHECK(starve_event_reads::starved(p.ch_b.fd()) == 3);
         CHECK(starve_event_reads::refusals_left() == 0); // each starved get_sqe gave up
+    }
+    REQUIRE(n_samples == 6);
+    for (const auto& [c, base] : {std::pair{&p.ch_a, base_a}, std::pair{&p.ch_b, base_b}}) {
+        std::vector<sample> mine;
+        for (std::size_t i = 0; i < n_samples; ++i)
+            if (samples[i].fd == c->fd()) mine.push_back(samples[i]);
+        REQUIRE(mine.size() == 3);
+        CHECK(mine[0].served_at_once == base + 1); // at once
+        CHECK(mine[0].wakeups == base + 1);
+        for (std::size_t i = 1; i < mine.size(); ++i) { // in the pass, no event since
+            CHECK(mine[i].served_at_once == mine[0].served_at_once);
+            CHECK(mine[i].wakeups == mine[0].wakeups);
+        }
     }
     CHECK(io.run(p.exchanges(20, 105)) == 20);
     for (const channel* c : {&p.ch_a, &p.ch_b}) {
@@ -907,8 +939,6 @@ TEST_CASE("a next read that finds no SQE, at once or in the pass, is queued on a
         CHECK(c->counters().completions == 125);
         CHECK(c->counters().events > 0);
     }
-    CHECK(p.ch_a.counters().served_at_once > at_once_a);
-    CHECK(p.ch_b.counters().served_at_once > at_once_b);
 }
 
 TEST_CASE("reads that find no SQE max_retries turns in a row fail the channel with EBUSY, with a "

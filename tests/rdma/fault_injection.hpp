@@ -10,6 +10,7 @@
 #include <infiniband/verbs.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -281,18 +282,22 @@ class fail_ring_reads {
 using ::test::one_stale_sqe;
 using ::test::refuse_submits;
 
-// The next `count` ring reads of completion events find no SQE when they are queued: at the
-// moment a read is about to be queued (its start_event_read), `io`'s submission ring is filled
-// (NOPs nobody waits for) and io_uring_submit refused (EBUSY) exactly as many times as
-// io_context::get_sqe tries it (1,001), so the read's get_sqe throws "io_uring_submit" as a
-// ring that cannot be drained makes it. The loop's own submission of the turn (not hooked)
-// sends the NOPs on. Counts the starved reads; while it lives.
+// The next `per_channel` ring reads of each completion channel's events find no SQE when they
+// are queued: at the moment a read is about to be queued (its start_event_read), `io`'s
+// submission ring is filled (NOPs nobody waits for) and io_uring_submit refused (EBUSY) exactly
+// as many times as io_context::get_sqe tries it, so the read's get_sqe throws "io_uring_submit"
+// as a ring that cannot be drained makes it. The loop's own submission of the turn (not hooked)
+// sends the NOPs on. `seen`, if given, is called at each starved read with the channel's fd
+// (before its get_sqe). Counts the starved reads, per channel; while it lives (up to 8 channels).
 class starve_event_reads {
   public:
-    starve_event_reads(ringverbs::io_context& io, int count) noexcept {
+    using observer = void (*)(int channel_fd) noexcept;
+    starve_event_reads(ringverbs::io_context& io, int per_channel,
+                       observer seen = nullptr) noexcept {
         io_ = &io;
-        left_ = count;
-        starved_ = 0;
+        per_channel_ = per_channel;
+        seen_ = seen;
+        channels_.fill(entry{-1, 0});
         refuse_ = 0;
         saved_submit_ = ringverbs::detail::io_uring_hooks().submit;
         ringverbs::detail::io_uring_hooks().submit = [](io_uring* ring) noexcept {
@@ -303,11 +308,11 @@ class starve_event_reads {
             return saved_submit_(ring);
         };
         ringverbs::verbs::detail::hooks().start_event_read = [](ibv_comp_channel* ch) noexcept {
-            if (left_ > 0) {
-                --left_;
-                ++starved_;
+            if (entry* e = find(ch->fd); e != nullptr && e->starved < per_channel_) {
+                ++e->starved;
+                if (seen_ != nullptr) seen_(ch->fd);
                 ::test::fill_sq(*io_, 0);
-                refuse_ = get_sqe_submits;
+                refuse_ = ringverbs::detail::get_sqe_submit_attempts;
             }
             return ringverbs::verbs::detail::real_verbs().start_event_read(ch);
         };
@@ -319,15 +324,35 @@ class starve_event_reads {
     }
     starve_event_reads(const starve_event_reads&) = delete;
     starve_event_reads& operator=(const starve_event_reads&) = delete;
-    static int starved() noexcept { return starved_; }
+    // Starved reads of the channel with this fd, or of all of them (-1).
+    static int starved(int channel_fd = -1) noexcept {
+        int n = 0;
+        for (const entry& e : channels_)
+            if (e.fd >= 0 && (channel_fd < 0 || e.fd == channel_fd)) n += e.starved;
+        return n;
+    }
     // Submissions refused and not yet asked for (0 once every starved get_sqe gave up).
     static int refusals_left() noexcept { return refuse_; }
 
   private:
-    static constexpr int get_sqe_submits = 1001; // io_context::room_for: attempts 0..1000
+    struct entry { // fd -1: free
+        int fd;
+        int starved;
+    };
+    static entry* find(int fd) noexcept {
+        for (entry& e : channels_) {
+            if (e.fd == fd) return &e;
+            if (e.fd < 0) {
+                e.fd = fd;
+                return &e;
+            }
+        }
+        return nullptr; // more channels than it keeps: not starved
+    }
     static inline ringverbs::io_context* io_ = nullptr;
-    static inline int left_ = 0;
-    static inline int starved_ = 0;
+    static inline int per_channel_ = 0;
+    static inline observer seen_ = nullptr;
+    static inline std::array<entry, 8> channels_{};
     static inline int refuse_ = 0;
     static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit_ = nullptr;
 };

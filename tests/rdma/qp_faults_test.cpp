@@ -712,8 +712,8 @@ TEST_CASE("a request that ends inside its own post (no SQE for the flush bound: 
                 io_uring_prep_nop(last);
                 io_uring_sqe_set_data64(last, 0);
             }
-            // get_sqe gives up after 1,000 refused submissions: the flush bound's throws.
-            refused.emplace(1001);
+            // get_sqe gives up after its refused submissions: the flush bound's throws.
+            refused.emplace(detail::get_sqe_submit_attempts);
         });
         refused.reset();
         REQUIRE(c.o.ended == 1);

@@ -14,6 +14,11 @@ struct uring_hooks {
     int (*submit)(io_uring* ring) noexcept;
 };
 
+// How many times io_context::get_sqe submits to make room in a full submission ring while the
+// kernel refuses (EBUSY or EAGAIN: its completion ring full) before it gives up and throws
+// "io_uring_submit" (tests count on it to starve a request of its SQE).
+inline constexpr int get_sqe_submit_attempts = 1001;
+
 // The table in force (one per process); defaults to liburing. Change it only while no
 // io_context runs on another thread.
 uring_hooks& io_uring_hooks() noexcept;
