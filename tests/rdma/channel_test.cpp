@@ -27,6 +27,24 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// Collects the diagnostics lines into `lines` while it lives; the sink before it is put back
+// when it goes (also when a constructor or a REQUIRE throws).
+class captured_diagnostics {
+  public:
+    explicit captured_diagnostics(std::vector<std::string>& lines) noexcept {
+        into_ = &lines;
+        before_ =
+            set_diagnostics_sink([](std::string_view line) noexcept { into_->emplace_back(line); });
+    }
+    ~captured_diagnostics() { set_diagnostics_sink(before_); }
+    captured_diagnostics(const captured_diagnostics&) = delete;
+    captured_diagnostics& operator=(const captured_diagnostics&) = delete;
+
+  private:
+    static inline std::vector<std::string>* into_ = nullptr;
+    diagnostics_sink before_ = nullptr;
+};
+
 // One send/recv exchange a -> b, both awaited; true when the payload arrived intact.
 task<bool> exchange(qp& a, qp& b, region& out, region& in, std::size_t off, std::size_t size,
                     std::uint32_t seed) {
@@ -559,11 +577,8 @@ TEST_CASE("event_read::syscall is kept when asked for, and a refused ring read f
         CHECK(lp.ch.counters().events > 0);
     }
     std::vector<std::string> lines;
-    static std::vector<std::string>* seen = nullptr;
-    seen = &lines;
-    const diagnostics_sink before =
-        set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
     {
+        const captured_diagnostics capture(lines);
         fail_ring_reads refused(EINVAL);
         loopback lp(dev, io);
         CHECK(lp.ch.event_path() == event_read::syscall);
@@ -572,7 +587,6 @@ TEST_CASE("event_read::syscall is kept when asked for, and a refused ring read f
             CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, static_cast<std::uint32_t>(i))));
         CHECK(lp.ch.counters().events > 0);
     }
-    set_diagnostics_sink(before);
     bool said = false;
     for (const std::string& line : lines) {
         MESSAGE(line);
@@ -588,15 +602,8 @@ TEST_CASE("ring reads short of memory for a while fall back to ibv_get_cq_event,
     io_context io;
     region out(dev.pd, 64), in(dev.pd, 64);
     std::vector<std::string> lines;
-    static std::vector<std::string>* seen = nullptr;
-    seen = &lines;
-    struct restore_sink { // also when a constructor or a REQUIRE throws
-        diagnostics_sink before =
-            set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
-        ~restore_sink() { set_diagnostics_sink(before); }
-    };
     {
-        const restore_sink restore;
+        const captured_diagnostics capture(lines);
         loopback lp(dev, io);
         CHECK(lp.ch.event_path() == event_read::ring);
         CHECK(io.run(exchange(lp.a, lp.b, out, in, 0, 32, 1))); // reads worked
@@ -629,14 +636,7 @@ TEST_CASE("a failed channel ends what the QPs and the srq on its CQs owe with it
     io_context io;
     region out(dev.pd, 64), in(dev.pd, 256);
     std::vector<std::string> lines;
-    static std::vector<std::string>* seen = nullptr;
-    seen = &lines;
-    struct restore_sink {
-        diagnostics_sink before =
-            set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
-        ~restore_sink() { set_diagnostics_sink(before); }
-    };
-    const restore_sink restore;
+    const captured_diagnostics capture(lines);
     const watchdog guard(60s, "a failed channel's owed requests");
     loopback lp(dev, io);
     REQUIRE(lp.ch.event_path() == event_read::ring);
@@ -947,14 +947,7 @@ TEST_CASE("reads that find no SQE max_retries turns in a row fail the channel wi
     device dev;
     io_context io;
     std::vector<std::string> lines;
-    static std::vector<std::string>* seen = nullptr;
-    seen = &lines;
-    struct restore_sink {
-        diagnostics_sink before =
-            set_diagnostics_sink([](std::string_view line) noexcept { seen->emplace_back(line); });
-        ~restore_sink() { set_diagnostics_sink(before); }
-    };
-    const restore_sink restore;
+    const captured_diagnostics capture(lines);
     at_once_pair p(dev, io);
     CHECK(io.run(p.exchanges(5, 0)) == 5);
     constexpr int max_retries = static_cast<int>(ringverbs::detail::fd_watch::max_retries);
