@@ -228,7 +228,10 @@ def run_case(server, mode, args, named, proof, port):
           f"{case['seconds']} s; peer: {(first + rest).strip()!r}")
     if status != "ok":
         print(f"  good client: {out!r} (first: {out0!r})")
-        print("  server log (last 15 lines):\n    " + "\n    ".join(text().splitlines()[-15:]))
+        # Its start too: a baseline client that failed was served (or not) there.
+        lines = text().splitlines()
+        shown = lines if len(lines) <= 40 else lines[:20] + ["[...]"] + lines[-20:]
+        print(f"  server log ({len(lines)} lines):\n    " + "\n    ".join(shown))
     sys.stdout.flush()
     return case, status == "ok"
 
