@@ -47,7 +47,8 @@ cm_hooks& rdma_cm_hooks() noexcept {
         +[](rdma_cm_id* id, rdma_conn_param* param) noexcept { return rdma_connect(id, param); },
         +[](rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* init) noexcept {
             return rdma_create_qp(id, pd, init);
-        }};
+        },
+        true};
     return table;
 }
 

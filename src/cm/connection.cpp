@@ -1,10 +1,14 @@
 // connection, connect() and listener: rdma_getaddrinfo, the rdma_cm steps with their bound, and
 // the per-device resources shared between connections.
 #include <ringverbs/cm/connection.hpp>
+#include <ringverbs/cm/detail/cm_hooks.hpp>
 
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/error.hpp>
+#include <ringverbs/engine/nothrow.hpp>
 #include <ringverbs/engine/poll.hpp>
+#include <ringverbs/engine/timer.hpp>
+#include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/srq.hpp>
 
 #include <arpa/inet.h>
@@ -415,6 +419,82 @@ channel& connection::completion_channel() noexcept {
     return *parts_->completion_channel;
 }
 
+namespace {
+
+// Soft-iWARP's vendor id (ASCII "bmt", drivers/infiniband/sw/siw/siw.h).
+constexpr std::uint32_t siw_vendor_id = 0x626d74;
+
+bool on_siw(ibv_context* ctx) {
+    if (ctx == nullptr || ctx->device->transport_type != IBV_TRANSPORT_IWARP) return false;
+    ibv_device_attr attr{};
+    return ibv_query_device(ctx, &attr) == 0 && attr.vendor_id == siw_vendor_id;
+}
+
+// The RDMA READs a siw QP may have outstanding as initiator (its ORD; 0: none). siw's
+// ibv_query_qp reports them as max_dest_rd_atomic and its responder depth (IRD) as
+// max_rd_atomic, the other way round from the verbs API (siw_query_qp, Linux 6.1).
+int siw_read_depth(verbs::queue_pair& q) {
+    ibv_qp_attr attr{};
+    ibv_qp_init_attr init{};
+    return ibv_query_qp(q.native(), &attr, IBV_QP_MAX_QP_RD_ATOMIC | IBV_QP_MAX_DEST_RD_ATOMIC,
+                        &init) == 0
+               ? attr.max_dest_rd_atomic
+               : 0;
+}
+
+// A zero-length RDMA WRITE each time `interval` (doubling, at most 1 s) passes until `answered`.
+task<void> kick_until(io_context& io, qp& q, std::stop_token answered) {
+    std::chrono::milliseconds interval(10);
+    while ((co_await nothrow(sleep_for(io, interval, answered))).ok()) {
+        // Only the READ decides: a kick that fails (the QP failed) ends the kicks, and the
+        // READ ends with that failure's flush.
+        if (!(co_await nothrow(q.write(local_buffer{}, remote_buffer{})))) co_return;
+        interval = std::min<std::chrono::milliseconds>(interval * 2, std::chrono::seconds(1));
+    }
+}
+
+// The zero-length RDMA READ; `answered` is stopped however it ends.
+task<void> probe_read(qp& q, wait_options step, std::stop_source& answered) {
+    struct stop_at_end {
+        std::stop_source& s;
+        ~stop_at_end() { s.request_stop(); }
+    } end{answered};
+    co_await q.read(local_buffer{}, remote_buffer{}, step);
+}
+
+// siw (Linux 6.1; mainline unchanged as read in 2026-12) hands a connection's TCP socket from its
+// CM to the QP only after the MPA reply went out (siw_accept: siw_send_mpareqrep, then
+// siw_qp_socket_assoc). A frame of ours that reaches the server in between is not read: the CM's
+// data_ready ignores it, and it stays in the socket until another frame arrives. A client that
+// sends at once and waits for the answer then waits for ever (seen in CI: an echo's first
+// message never answered; tests/cm/connection_test.cpp provokes it). So on siw connect() first
+// sends a zero-length RDMA READ (no receive used, no memory named) and returns when its response
+// came: the server's QP reads its socket by then. While the READ is unanswered, a zero-length
+// RDMA WRITE now and then (the peer takes it without a key or a completion) gives the server's
+// socket a new frame, which reads the stuck ones with it. Bounded by the step's bound (then the
+// QP's flush bound). The READ is the QP's first send request: libsiw copies no SGE for
+// num_sge 0 and siw reads the READ's length from SGE 0 of the slot, zero in a new queue.
+// Known cost (siw_qp_tx.c, not seen): if the server is transmitting when the READ arrives, siw
+// queues the response and may send it with the length of the server's previous send; the
+// connect then fails (a clear error) instead of stalling.
+task<void> settle_on_siw(io_context& io, qp& q, wait_options step) {
+    std::stop_source answered;
+    try {
+        co_await when_all(probe_read(q, step, answered), kick_until(io, q, answered.get_token()));
+    } catch (const std::system_error& e) {
+        // e.what() ends with the code's text, which system_error adds again: drop it.
+        std::string what = e.what();
+        const std::string tail = ": " + e.code().message();
+        if (what.size() > tail.size() && what.ends_with(tail))
+            what.resize(what.size() - tail.size());
+        throw std::system_error(e.code(), "ringverbs::connect (the zero-length RDMA READ that "
+                                          "settles a siw connection failed: " +
+                                              what + ")");
+    }
+}
+
+} // namespace
+
 task<connection> connect(io_context& io, std::string address, connection_options options,
                          std::stop_token stop) {
     std::string host, port;
@@ -432,6 +512,9 @@ task<connection> connect(io_context& io, std::string address, connection_options
     co_await p->id.resolve_route(step);
     p->equip(io, options);
     p->peer_data = co_await p->id.connect(data, step, options.conn);
+    if (detail::rdma_cm_hooks().settle_on_siw && on_siw(p->id.native()->verbs) &&
+        siw_read_depth(p->queue->native_qp()) > 0)
+        co_await settle_on_siw(io, *p->queue, step);
     co_return connection(std::move(p));
 }
 

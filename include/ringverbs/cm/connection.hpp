@@ -190,9 +190,12 @@ class connection {
 // own, so the loop does not block: at most detail::max_lookup_threads of them in the process at
 // once, each until its lookup ends even when connect() gave up on it), then the address and
 // route on the device that reaches it,
-// makes the qp and connects, each step bounded by options.step_timeout (15 s). `stop` cancels
-// whichever step is under way. A name with several addresses: the first one rdma_getaddrinfo
-// gives is tried. Throws:
+// makes the qp and connects, each step bounded by options.step_timeout (15 s). On siw it then
+// settles the connection (a zero-length RDMA READ, answered by the peer's kernel: a first
+// message sent at once would otherwise be left unread by siw; docs/design.md, "Transports and
+// providers"), bounded by step_timeout (then the QP's flush bound). `stop` cancels whichever
+// step is under way. A name with several
+// addresses: the first one rdma_getaddrinfo gives is tried. Throws:
 // - std::system_error(EINVAL) naming ringverbs::connect for an address it cannot parse (or
 //   without a host: ":7471", "7471"); naming rdma_getaddrinfo (with gai_strerror's text) for
 //   a name it cannot resolve; EAGAIN naming rdma_getaddrinfo, at once, when
@@ -201,7 +204,9 @@ class connection {
 // - connection_rejected when the peer refused (nothing listens on that port, or rdma_reject);
 // - std::system_error naming the rdma_* step that failed or timed out (timed_out: nobody
 //   answered at that address within step_timeout), or operation_canceled on `stop`;
-// - what making the CQ and qp throws (EMFILE, ENOMEM, EINVAL naming the verb).
+// - what making the CQ and qp throws (EMFILE, ENOMEM, EINVAL naming the verb);
+// - on siw, std::system_error naming "ringverbs::connect (the zero-length RDMA READ that
+//   settles a siw connection failed: ...)" with the READ's failure.
 task<connection> connect(io_context& io, std::string address, connection_options options = {},
                          std::stop_token stop = {});
 
