@@ -64,10 +64,33 @@ task<void> connection::accept() {
     if (closing_) co_await disconnect(); // closed (by the server's stop) while accepting
 }
 
+namespace {
+
+// Sets a flag for its lifetime.
+struct raised_while_alive {
+    bool& flag;
+    explicit raised_while_alive(bool& f) : flag(f) { flag = true; }
+    ~raised_while_alive() { flag = false; }
+    raised_while_alive(const raised_while_alive&) = delete;
+    raised_while_alive& operator=(const raised_while_alive&) = delete;
+};
+
+// Counts itself in `count` for its lifetime.
+struct counted_while_alive {
+    std::uint32_t& count;
+    explicit counted_while_alive(std::uint32_t& c) : count(c) { ++count; }
+    ~counted_while_alive() { --count; }
+    counted_while_alive(const counted_while_alive&) = delete;
+    counted_while_alive& operator=(const counted_while_alive&) = delete;
+};
+
+} // namespace
+
 // One buffer's life: receive a message into it, send it back from it, repeat. Each co_await
 // resumes on the completion of its own request, so the buffer is free again when the send's
 // await returns.
 task<void> connection::echo_loop(std::uint32_t slot) {
+    const counted_while_alive running(loops_running_);
     std::exception_ptr failed;
     request current = request::receive;
     while (!closing_) {
@@ -140,19 +163,6 @@ task<void> connection::watch_idle() {
                    std::to_string(limit.count()) + ")");
 }
 
-namespace {
-
-// Sets a flag for its lifetime.
-struct raised_while_alive {
-    bool& flag;
-    explicit raised_while_alive(bool& f) : flag(f) { flag = true; }
-    ~raised_while_alive() { flag = false; }
-    raised_while_alive(const raised_while_alive&) = delete;
-    raised_while_alive& operator=(const raised_while_alive&) = delete;
-};
-
-} // namespace
-
 // Awaits the client's disconnect (DREQ, or its CM gone) alongside the completions: the QP is
 // then in the error state, but only qp::to_error() arms the bound on its flushes, so a DREQ
 // whose flushes never come still closes the connection, within flush_timeout. With the SRQ
@@ -189,10 +199,15 @@ task<void> connection::watch_disconnect() {
             failed += std::string("; ") + e.what();
         }
         // Its own receives say why first: a failure the client caused (an oversized message)
-        // sits in the CQ before the flushes, and is delivered within this turn; one turn later
-        // the disconnect is the reason (before: the loops named it, and with --depth 1 a send
-        // cut off after DISCONNECTED left the connection closed by nobody).
-        co_await worker_.io->schedule();
+        // sits in the CQ before the flushes, and its loop names it; once every loop ended (with
+        // the flushes, which to_error() bounded) the disconnect is the reason. Before: one loop
+        // turn, which on a loaded host came before the CQ's event was read (echo_test's
+        // oversized on rxe, once: "the client disconnected"); and before that the loops named
+        // it, and with --depth 1 a send cut off after DISCONNECTED left the connection closed
+        // by nobody.
+        const auto until = std::chrono::steady_clock::now() + 6s; // flush_timeout 5 s, and 1
+        while (loops_running_ > 0 && !closing_ && std::chrono::steady_clock::now() < until)
+            co_await sleep_for(*worker_.io, 5ms);
         co_await close(std::move(failed));
         co_return;
     }
