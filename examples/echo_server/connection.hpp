@@ -77,6 +77,7 @@ class connection {
     bool cut_off_ = false;  // failure_ is an echo cut off in flight: the client's end, if it came
     bool watching_ = false; // watch_disconnect runs: it closes for a cut_off()
     std::uint32_t loops_running_ = 0; // echo loops not ended yet (--no-srq)
+    bool disconnect_seen_ = false;    // --no-srq: watch_disconnect saw the client's disconnect
     // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the
     // watches (and watch_disconnect closes the connection).
     struct request_stop_of {
