@@ -10,6 +10,7 @@
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/srq.hpp>
+#include <ringverbs/verbs/detail/provider.hpp>
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -421,15 +422,6 @@ channel& connection::completion_channel() noexcept {
 
 namespace {
 
-// Soft-iWARP's vendor id (ASCII "bmt", drivers/infiniband/sw/siw/siw.h).
-constexpr std::uint32_t siw_vendor_id = 0x626d74;
-
-bool on_siw(ibv_context* ctx) {
-    if (ctx == nullptr || ctx->device->transport_type != IBV_TRANSPORT_IWARP) return false;
-    ibv_device_attr attr{};
-    return ibv_query_device(ctx, &attr) == 0 && attr.vendor_id == siw_vendor_id;
-}
-
 // The RDMA READs a siw QP may have outstanding as initiator (its ORD; 0: none). siw's
 // ibv_query_qp reports them as max_dest_rd_atomic and its responder depth (IRD) as
 // max_rd_atomic, the other way round from the verbs API (siw_query_qp, Linux 6.1).
@@ -512,7 +504,7 @@ task<connection> connect(io_context& io, std::string address, connection_options
     co_await p->id.resolve_route(step);
     p->equip(io, options);
     p->peer_data = co_await p->id.connect(data, step, options.conn);
-    if (detail::rdma_cm_hooks().settle_on_siw && on_siw(p->id.native()->verbs) &&
+    if (detail::rdma_cm_hooks().settle_on_siw && verbs::detail::is_siw(p->id.native()->verbs) &&
         siw_read_depth(p->queue->native_qp()) > 0)
         co_await settle_on_siw(io, *p->queue, step);
     co_return connection(std::move(p));

@@ -3,6 +3,7 @@
 
 #include <ringverbs/rdma/detail/object_registry.hpp>
 #include <ringverbs/rdma/detail/srq_state.hpp>
+#include <ringverbs/verbs/detail/provider.hpp>
 #include <ringverbs/verbs/detail/verbs_hooks.hpp>
 
 #include <algorithm>
@@ -17,16 +18,13 @@ using verbs::detail::hooks;
 
 namespace {
 
-// Soft-iWARP's IEEE OUI-like vendor id ("bmt"). siw (Linux 6.1 at least) completes every
-// receive with SIW_WQE_SIGNALLED instead of the receive's own flags (siw_rqe_complete), so a CQ
-// armed solicited-only never raises an event for a solicited receive.
-constexpr std::uint32_t siw_vendor_id = 0x626d74;
+// siw (Linux 6.1 at least) completes every receive with SIW_WQE_SIGNALLED instead of the
+// receive's own flags (siw_rqe_complete), so a CQ armed solicited-only never raises an event for
+// a solicited receive.
 
 bool raises_solicited_events(channel_state& ch) noexcept {
     if (ch.solicited_events < 0) {
-        ibv_device_attr attr{};
-        const bool siw =
-            ibv_query_device(ch.device.native(), &attr) == 0 && attr.vendor_id == siw_vendor_id;
+        const bool siw = verbs::detail::is_siw(ch.device.native());
         ch.solicited_events = siw ? 0 : 1;
         if (siw)
             diagnose("%s: the device never raises an event for a solicited receive (siw): CQs "

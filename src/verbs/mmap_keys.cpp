@@ -1,5 +1,6 @@
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/verbs/detail/mmap_keys.hpp>
+#include <ringverbs/verbs/detail/provider.hpp>
 
 #include <cstring>
 #include <mutex>
@@ -10,8 +11,6 @@ namespace ringverbs::verbs::detail {
 
 namespace {
 
-// ibv_device_attr::vendor_id of Soft-iWARP.
-constexpr std::uint32_t siw_vendor_id = 0x626d74;
 // 32768 entries of 32 bytes plus the control word: 257 pages, past page offset 144.
 constexpr int guard_entries = 32768;
 
@@ -39,8 +38,7 @@ void prepare_for_queues(ibv_context* ctx) noexcept {
         auto [it, fresh] = records().try_emplace(ctx);
         if (!fresh) return;
         it->second.device = ibv_get_device_name(ctx->device);
-        ibv_device_attr attr{};
-        if (ibv_query_device(ctx, &attr) != 0 || attr.vendor_id != siw_vendor_id) return;
+        if (!is_siw(ctx)) return;
         it->second.siw = true;
         errno = 0;
         it->second.guard = ibv_create_cq(ctx, guard_entries, nullptr, nullptr, 0);
