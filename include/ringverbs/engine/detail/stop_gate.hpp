@@ -9,7 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
-#include <optional>
+#include <new>
 #include <stop_token>
 
 namespace ringverbs::detail {
@@ -29,7 +29,9 @@ class stop_gate : remote_node {
     using on_stop_fn = bool (*)(void* owner) noexcept;
     using on_resume_fn = void (*)(void* owner) noexcept;
 
-    stop_gate() noexcept { run = &stop_gate::run_on_context; }
+    // The rest is set by arm(): a wait without a stop_token stores nothing more here.
+    stop_gate() noexcept = default;
+    ~stop_gate() { disarm(); }
     stop_gate(const stop_gate&) = delete;
     stop_gate& operator=(const stop_gate&) = delete;
 
@@ -38,17 +40,19 @@ class stop_gate : remote_node {
     void arm(io_context& ctx, const std::stop_token& token, void* owner, on_stop_fn on_stop,
              on_resume_fn on_resume) {
         if (!token.stop_possible()) return;
+        run = &stop_gate::run_on_context;
         ctx_ = &ctx;
         owner_ = owner;
         on_stop_ = on_stop;
         on_resume_ = on_resume;
-        callback_.emplace(token, trigger{this});
+        ::new (static_cast<void*>(callback_)) callback(token, trigger{this});
+        armed_ = true;
     }
 
     // The operation is complete (context thread). Returns true when the owner may resume
     // now; false when a queued stop request must run first (it resumes the owner then).
     bool finish() noexcept {
-        if (!callback_) return true;
+        if (!armed_) return true;
         std::uint8_t expected = armed;
         if (state_.compare_exchange_strong(expected, finished, std::memory_order_acq_rel))
             return true;
@@ -62,7 +66,12 @@ class stop_gate : remote_node {
     bool stop_won() const noexcept { return state_.load(std::memory_order_acquire) == stop_queued; }
 
     // Destroys the stop callback (waiting for it if it runs on another thread right now).
-    void disarm() noexcept { callback_.reset(); }
+    // The deregistration out of line: most waits have no stop_token, and its inlined code (a
+    // lock and a wait) would weigh on every caller's registers.
+    void disarm() noexcept {
+        if (armed_) [[unlikely]]
+            disarm_armed();
+    }
 
   private:
     enum : std::uint8_t { armed, stop_queued, finished };
@@ -77,20 +86,30 @@ class stop_gate : remote_node {
         }
     };
 
+    [[gnu::noinline]] void disarm_armed() noexcept {
+        armed_ = false;
+        std::launder(reinterpret_cast<callback*>(callback_))->~callback();
+    }
+
     static void run_on_context(remote_node* n) noexcept {
         auto* g = static_cast<stop_gate*>(n);
         g->stop_handled_ = true;
         if (g->finished_early_ || g->on_stop_(g->owner_)) g->on_resume_(g->owner_);
     }
 
-    io_context* ctx_ = nullptr;
-    void* owner_ = nullptr;
-    on_stop_fn on_stop_ = nullptr;
-    on_resume_fn on_resume_ = nullptr;
+    // Set by arm(), read only while armed_.
+    io_context* ctx_;
+    void* owner_;
+    on_stop_fn on_stop_;
+    on_resume_fn on_resume_;
     std::atomic<std::uint8_t> state_{armed};
     bool stop_handled_ = false;   // context thread only
     bool finished_early_ = false; // context thread only
-    std::optional<std::stop_callback<trigger>> callback_;
+    bool armed_ = false;          // callback_ holds a registered stop_callback
+    // Not a std::optional: its destructor, inlined into every awaiter's, carried the
+    // deregistration's code (a lock and a wait) and its registers into the common path.
+    using callback = std::stop_callback<trigger>;
+    alignas(callback) unsigned char callback_[sizeof(callback)];
 };
 
 } // namespace ringverbs::detail

@@ -38,7 +38,9 @@ class wait_core : operation {
         decided, // outcome known; resumes once the timer's CQE and a won stop request came
     };
 
-    wait_core() noexcept { on_cqe = &wait_core::timer_fired; }
+    // Only what is read before a wait begins is set here (the outcome, the phase): a request
+    // that never waits (an unsignaled send, done at its post) pays for nothing else.
+    wait_core() noexcept = default;
     wait_core(const wait_core&) = delete;
     wait_core& operator=(const wait_core&) = delete;
 
@@ -70,6 +72,7 @@ class wait_core : operation {
         detail::loop(ctx).add_waiter();
         if (timer_reserved) {
             io_uring_sqe* timer_sqe = detail::loop(ctx).take_reserved_sqe();
+            on_cqe = &wait_core::timer_fired;
             ts_ = to_kernel_timespec(options.timeout);
             io_uring_prep_timeout(timer_sqe, &ts_, 0, 0);
             io_uring_sqe_set_data(timer_sqe, static_cast<operation*>(this));
@@ -148,14 +151,14 @@ class wait_core : operation {
     }
     static void on_resume(void* owner) noexcept { static_cast<wait_core*>(owner)->resume(); }
 
-    io_context* ctx_ = nullptr;
+    io_context* ctx_; // set by begin_wait, read only after it
     std::coroutine_handle<> handle_;
-    interrupt_fn interrupt_ = nullptr;
+    interrupt_fn interrupt_;
     int error_ = 0;
     int interrupted_ = 0;
     phase phase_ = phase::idle;
     bool timer_pending_ = false;
-    __kernel_timespec ts_{};
+    __kernel_timespec ts_; // written before its timer SQE is prepared
     stop_gate gate_;
 };
 
