@@ -157,14 +157,6 @@ void cq_state::deliver(const ibv_wc& wc) noexcept {
     ++count;
 }
 
-bool cq_state::pop(ibv_wc& out) noexcept {
-    if (count == 0) return false;
-    out = buffer[head];
-    head = (head + 1) & (buffer.size() - 1);
-    --count;
-    return true;
-}
-
 void cq_state::fail_waiters(int err) noexcept {
     while (waiter* w = waiters.pop_front())
         w->fulfil(err);

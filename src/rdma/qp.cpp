@@ -71,8 +71,9 @@ void qp::to_error() {
 
 using detail::wr_request;
 
-// Here, beside the builders that are its only callers: each builder is flattened, so that GCC
-// builds the request in place with the builder's wr_request folded in (no call; tools/bench-cost
+// Here, beside the builders that are its only callers (recv, read, the atomics and the chains;
+// send and write build theirs inline, in qp.hpp): each builder is flattened, so that GCC builds
+// the request in place with the builder's wr_request folded in (no call; tools/bench-cost
 // counted the two calls at 136 user-space instructions per unsignaled send, 101 after). Clang
 // 14 keeps the call (it does not inline an exported function here); the result is the same.
 qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,
@@ -104,64 +105,10 @@ qp::request::request(detail::qp_state* qp, kind k, const char* name, const detai
     }
 }
 
-qp::request::request(detail::qp_state* qp, const char* name, ibv_wr_opcode opcode,
-                     local_buffer local, remote_buffer remote, unsigned send_flags,
-                     std::optional<std::uint32_t> imm, bool signaled, wait_options options) noexcept
-    : qp_(qp), ctx_(qp->ctx), kind_(kind::send), name_(name), options_(std::move(options)) {
-    on_wc = &qp::request::completed;
-    sge_.addr = reinterpret_cast<std::uintptr_t>(local.addr);
-    sge_.length = local.length;
-    sge_.lkey = local.lkey;
-    signaled_ = signaled;
-    start_send(opcode, local.length, send_flags, imm);
-    send_wr_.wr.rdma.remote_addr = remote.addr;
-    send_wr_.wr.rdma.rkey = remote.rkey;
-}
-
-// What every send-queue request's work request has: its opcode, the one buffer (none when
-// empty, except for an atomic, which always writes the old value), the flags (posted signaled
-// unless post_unsignaled says otherwise) and the immediate.
-void qp::request::start_send(ibv_wr_opcode opcode, std::uint32_t length, unsigned send_flags,
-                             std::optional<std::uint32_t> imm) noexcept {
-    send_wr_ = ibv_send_wr{};
-    send_wr_.opcode = opcode;
-    send_wr_.sg_list = &sge_;
-    const bool atomic =
-        opcode == IBV_WR_ATOMIC_CMP_AND_SWP || opcode == IBV_WR_ATOMIC_FETCH_AND_ADD;
-    send_wr_.num_sge = length > 0 || atomic ? 1 : 0;
-    send_wr_.send_flags = send_flags | IBV_SEND_SIGNALED;
-    if (imm) send_wr_.imm_data = htobe32(*imm);
-}
-
-namespace {
-unsigned flags_of(const send_options& o) {
-    unsigned f = 0;
-    if (o.inline_data) f |= IBV_SEND_INLINE;
-    if (o.solicited) f |= IBV_SEND_SOLICITED;
-    if (o.fence) f |= IBV_SEND_FENCE;
-    return f;
-}
-} // namespace
-
-[[gnu::flatten]] qp::request qp::send(local_buffer data, send_options o, wait_options w) noexcept {
-    const bool imm = o.imm.has_value();
-    const char* name = imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)";
-    const ibv_wr_opcode op = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
-    return {state_.get(), name, op, data, {}, flags_of(o), o.imm, o.signaled, std::move(w)};
-}
-
 [[gnu::flatten]] qp::request qp::recv(local_buffer into, wait_options w) noexcept {
     wr_request r;
     r.local = into;
     return {state_.get(), request::kind::recv, "ibv_post_recv", r, std::move(w)};
-}
-
-[[gnu::flatten]] qp::request qp::write(local_buffer data, remote_buffer to, send_options o,
-                                       wait_options w) noexcept {
-    const bool imm = o.imm.has_value();
-    const char* name = imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)";
-    const ibv_wr_opcode op = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-    return {state_.get(), name, op, data, to, flags_of(o), o.imm, o.signaled, std::move(w)};
 }
 
 [[gnu::flatten]] qp::request qp::read(local_buffer into, remote_buffer from,

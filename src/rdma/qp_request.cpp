@@ -31,6 +31,21 @@ void qp::request::abandon_unawaited() noexcept {
     abandon();
 }
 
+// await_ready() of an unsignaled send (still built, not stopped): the lean way in, which
+// skips post()'s checks that cannot apply (a receive on an srq) and its signaled path.
+void qp::request::post_unsignaled_at_await() {
+    qp_->before_post(name_);
+    if (!post_unsignaled()) [[unlikely]]
+        post_throttled();
+}
+
+// The forced-signaled request is due while too many are unconfirmed (post_unsignaled): post
+// it signaled, awaited like any other. Apart so that the lean path above stays lean.
+void qp::request::post_throttled() {
+    signaled_ = true;
+    post();
+}
+
 [[gnu::flatten]] void qp::request::post() {
     if (stage_ != stage::built) return;
     if (kind_ == kind::recv && qp_->srq) [[unlikely]]
@@ -105,7 +120,7 @@ void qp::request::refused_doorbell(int rc) const {
 // signaled with the qp's sink as its wr_id) and ends the await at once: returns true. Returns
 // false without posting when the forced-signaled request is due while too many are still
 // unconfirmed: the caller then posts it signaled, awaited like any other (back pressure).
-bool qp::request::post_unsignaled() {
+[[gnu::always_inline]] inline bool qp::request::post_unsignaled() {
     qp_state& q = *qp_;
     const bool forced = q.unsignaled_run + 1 >= q.signal_interval;
     if (forced && q.sink_outstanding >= qp_state::max_sink_outstanding) {
@@ -140,14 +155,8 @@ bool qp::request::post_unsignaled() {
     } else {
         ++q.unsignaled_run;
     }
-    q.after_post(forced); // a plain unsignaled send is owed nothing: no bound
-    result_ = ibv_wc{};
-    result_.status = IBV_WC_SUCCESS;
-    result_.opcode =
-        send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
-            ? IBV_WC_RDMA_WRITE
-            : IBV_WC_SEND;
-    result_.qp_num = q.qp.qp_num();
+    q.after_post(forced);           // a plain unsignaled send is owed nothing: no bound
+    result_.qp_num = q.qp.qp_num(); // the rest of the made-up completion: await_resume()
     stage_ = stage::done;
     done_at_post_ = true;
     return true;

@@ -15,6 +15,7 @@
 #include <ringverbs/verbs/protection_domain.hpp>
 #include <ringverbs/verbs/queue_pair.hpp>
 
+#include <endian.h>
 #include <infiniband/verbs.h>
 
 #include <chrono>
@@ -252,7 +253,7 @@ class qp::request : detail::wr_op, detail::wait_core {
                 stage_ = stage::cancelled_early;
                 return true;
             }
-            if (!signaled_) post();
+            if (!signaled_) post_unsignaled_at_await();
         }
         return stage_ == stage::done;
     }
@@ -260,7 +261,7 @@ class qp::request : detail::wr_op, detail::wait_core {
     bool await_suspend(std::coroutine_handle<> h);
     ibv_wc await_resume() {
         // An unsignaled request done at its post never waited: nothing to finish or throw.
-        if (done_at_post_) return result_;
+        if (done_at_post_) return made_up_completion();
         return await_resume_waited();
     }
 
@@ -293,7 +294,21 @@ class qp::request : detail::wr_op, detail::wait_core {
     void start_send(ibv_wr_opcode opcode, std::uint32_t length, unsigned send_flags,
                     std::optional<std::uint32_t> imm) noexcept;
     ibv_wc await_resume_waited();
-    bool post_unsignaled();
+    // An unsignaled request's completion, made up at its await: built here, inline, so that a
+    // caller that reads only its status costs no copy.
+    ibv_wc made_up_completion() const noexcept {
+        ibv_wc wc{};
+        wc.status = IBV_WC_SUCCESS;
+        wc.opcode =
+            send_wr_.opcode == IBV_WR_RDMA_WRITE || send_wr_.opcode == IBV_WR_RDMA_WRITE_WITH_IMM
+                ? IBV_WC_RDMA_WRITE
+                : IBV_WC_SEND;
+        wc.qp_num = result_.qp_num; // set by post_unsignaled()
+        return wc;
+    }
+    inline bool post_unsignaled(); // defined (and only used) in qp_request.cpp
+    void post_unsignaled_at_await();
+    [[gnu::noinline, gnu::cold]] void post_throttled();
     // Throws for a send whose doorbell was refused after the provider queued it (rc, no
     // request named bad), once the caller has reset the QP.
     [[noreturn]] void refused_doorbell(int rc) const;
@@ -313,7 +328,7 @@ class qp::request : detail::wr_op, detail::wait_core {
     std::span<ibv_wc> each_;
     const char* name_;
     wait_options options_;
-    ibv_wc result_;      // written before the request is done: its last completion, or made up
+    ibv_wc result_; // written before the request is done: its last completion (unsignaled: qp_num)
     ibv_wc first_error_; // written when outcome_ leaves ok
     std::size_t seen_ = 0;
     stage stage_ = stage::built;
@@ -321,6 +336,66 @@ class qp::request : detail::wr_op, detail::wait_core {
     bool signaled_ = true;      // posted signaled (else unsignaled, see send_options::signaled)
     bool done_at_post_ = false; // posted unsignaled: done without a wait (post_unsignaled)
 };
+
+// The builders of sends and writes, and what they build, are inline: an unsignaled send is done
+// at its post and never waits, so constructing its request in the caller's frame (no call, no
+// copy of the arguments) is a fair part of what it costs (tools/bench-cost).
+inline qp::request::request(detail::qp_state* qp, const char* name, ibv_wr_opcode opcode,
+                            local_buffer local, remote_buffer remote, unsigned send_flags,
+                            std::optional<std::uint32_t> imm, bool signaled,
+                            wait_options options) noexcept
+    : qp_(qp), ctx_(qp->ctx), kind_(kind::send), name_(name), options_(std::move(options)) {
+    on_wc = &qp::request::completed;
+    sge_.addr = reinterpret_cast<std::uintptr_t>(local.addr);
+    sge_.length = local.length;
+    sge_.lkey = local.lkey;
+    signaled_ = signaled;
+    start_send(opcode, local.length, send_flags, imm);
+    send_wr_.wr.rdma.remote_addr = remote.addr;
+    send_wr_.wr.rdma.rkey = remote.rkey;
+}
+
+// What every send-queue request's work request has: its opcode, the one buffer (none when
+// empty, except for an atomic, which always writes the old value), the flags (posted signaled
+// unless post_unsignaled says otherwise) and the immediate.
+inline void qp::request::start_send(ibv_wr_opcode opcode, std::uint32_t length, unsigned send_flags,
+                                    std::optional<std::uint32_t> imm) noexcept {
+    send_wr_ = ibv_send_wr{};
+    send_wr_.opcode = opcode;
+    send_wr_.sg_list = &sge_;
+    const bool atomic =
+        opcode == IBV_WR_ATOMIC_CMP_AND_SWP || opcode == IBV_WR_ATOMIC_FETCH_AND_ADD;
+    send_wr_.num_sge = length > 0 || atomic ? 1 : 0;
+    send_wr_.send_flags = send_flags | IBV_SEND_SIGNALED;
+    if (imm) send_wr_.imm_data = htobe32(*imm);
+}
+
+namespace detail {
+inline unsigned send_flags_of(const send_options& o) noexcept {
+    unsigned f = 0;
+    if (o.inline_data) f |= IBV_SEND_INLINE;
+    if (o.solicited) f |= IBV_SEND_SOLICITED;
+    if (o.fence) f |= IBV_SEND_FENCE;
+    return f;
+}
+} // namespace detail
+
+inline qp::request qp::send(local_buffer data, send_options o, wait_options w) noexcept {
+    const bool imm = o.imm.has_value();
+    const char* name = imm ? "ibv_post_send(SEND_WITH_IMM)" : "ibv_post_send(SEND)";
+    const ibv_wr_opcode op = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+    return {state_.get(), name,       op,          data, {}, detail::send_flags_of(o),
+            o.imm,        o.signaled, std::move(w)};
+}
+
+inline qp::request qp::write(local_buffer data, remote_buffer to, send_options o,
+                             wait_options w) noexcept {
+    const bool imm = o.imm.has_value();
+    const char* name = imm ? "ibv_post_send(RDMA_WRITE_WITH_IMM)" : "ibv_post_send(RDMA_WRITE)";
+    const ibv_wr_opcode op = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    return {state_.get(), name,       op,          data, to, detail::send_flags_of(o),
+            o.imm,        o.signaled, std::move(w)};
+}
 
 // qp::close_awaitable: returned by qp::close(); co_await it (gives nothing, throws as close()
 // says). Awaited in place, not moved.

@@ -291,7 +291,14 @@ struct cq_state {
     void deliver(const ibv_wc& wc) noexcept;
     // A pool completion of a QP on an SRQ: counted on the SRQ.
     void note_srq_receive(const ibv_wc& wc) noexcept;
-    bool pop(ibv_wc& out) noexcept;
+    // Inline: cq::next() looks here before it waits (an empty buffer costs a compare).
+    bool pop(ibv_wc& out) noexcept {
+        if (count == 0) return false;
+        out = buffer[head];
+        head = (head + 1) & (buffer.size() - 1);
+        --count;
+        return true;
+    }
     // Arms the CQ (ibv_req_notify_cq); a failure is handled out of line (arm_failed).
     void arm() noexcept {
         const int rc = verbs::detail::hooks().req_notify_cq(cq.native(), arm_solicited ? 1 : 0);
