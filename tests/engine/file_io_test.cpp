@@ -95,6 +95,24 @@ TEST_CASE("read times out, and the data written later is still in the pipe") {
     CHECK(back == 'z');
 }
 
+TEST_CASE("a stop requested before a timed read's co_await ends it as cancelled, not timed out") {
+    io_context ctx;
+    test::pipe_pair p;
+    std::vector<std::byte> buf(8);
+    std::stop_source src;
+    src.request_stop();
+    auto t = [&]() -> task<std::errc> {
+        try {
+            co_await ringverbs::read(ctx, p.rd.get(), buf, ringverbs::current_position,
+                                     wait_options{1s, src.get_token()});
+        } catch (const std::system_error& e) {
+            co_return static_cast<std::errc>(e.code().value());
+        }
+        co_return std::errc{};
+    };
+    CHECK(ctx.run(t()) == std::errc::operation_canceled);
+}
+
 TEST_CASE("cancelling a read races the data: every byte is read exactly once") {
     // Each round a byte is written while a stop is requested from another thread. The read
     // either returns the byte or is cancelled and the byte stays in the pipe: never both,

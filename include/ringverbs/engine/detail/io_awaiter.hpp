@@ -48,6 +48,7 @@ class [[nodiscard]] io_awaiter : operation {
     bool await_ready() noexcept {
         if (options_.stop.stop_requested() || ctx_->shutting_down()) {
             res_ = -ECANCELED;
+            never_started_ = true; // cancelled, whatever the timeout
             return true;
         }
         return false;
@@ -79,8 +80,8 @@ class [[nodiscard]] io_awaiter : operation {
         if constexpr (requires { Prep::result(0); }) res = Prep::result(res);
         if (res >= 0) return res;
         int err = -res;
-        if (err == ECANCELED && !gate_.stop_won() && options_.timeout != wait_options::no_timeout &&
-            !ctx_->shutting_down())
+        if (err == ECANCELED && !never_started_ && !gate_.stop_won() &&
+            options_.timeout != wait_options::no_timeout && !ctx_->shutting_down())
             err = ETIMEDOUT;
         throw_system_error(err, Prep::name);
     }
@@ -111,6 +112,7 @@ class [[nodiscard]] io_awaiter : operation {
     wait_options options_;
     std::coroutine_handle<> handle_;
     int res_ = 0;
+    bool never_started_ = false; // ended in await_ready (stop requested, or the context's end)
     __kernel_timespec ts_{};
     stop_gate gate_;
 };
