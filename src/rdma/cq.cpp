@@ -145,16 +145,21 @@ void cq_state::deliver(const ibv_wc& wc) noexcept {
         if (c->taken < c->capacity) filling = c;
         return;
     }
-    if (count == buffer.size()) {
-        // Consumers fell behind by more than the CQ holds: grow (the only allocation here).
-        std::vector<ibv_wc> bigger(buffer.size() * 2);
-        for (std::size_t i = 0; i < count; ++i)
-            bigger[i] = buffer[(head + i) & (buffer.size() - 1)];
-        buffer = std::move(bigger);
-        head = 0;
-    }
+    if (count == buffer.size()) [[unlikely]]
+        grow();
     buffer[(head + count) & (buffer.size() - 1)] = wc;
     ++count;
+}
+
+// Consumers fell behind by more than the CQ holds: grow (the only allocation here). Out of
+// line, like note_srq_receive: inlined into the flattened dispatch(), their registers were
+// saved and restored for every completion.
+void cq_state::grow() noexcept {
+    std::vector<ibv_wc> bigger(buffer.size() * 2);
+    for (std::size_t i = 0; i < count; ++i)
+        bigger[i] = buffer[(head + i) & (buffer.size() - 1)];
+    buffer = std::move(bigger);
+    head = 0;
 }
 
 void cq_state::fail_waiters(int err) noexcept {

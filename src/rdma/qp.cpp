@@ -71,9 +71,9 @@ void qp::to_error() {
 
 using detail::wr_request;
 
-// Here, beside the builders that are its only callers (recv, read, the atomics and the chains;
-// send and write build theirs inline, in qp.hpp): each builder is flattened, so that GCC builds
-// the request in place with the builder's wr_request folded in (no call; tools/bench-cost
+// Here, beside the builders that are its only callers (recv, the atomics and the chains; send,
+// write and read use the inline constructor in qp.hpp): each builder is flattened, so that GCC
+// builds the request in place with the builder's wr_request folded in (no call; tools/bench-cost
 // counted the two calls at 136 user-space instructions per unsignaled send, 101 after). Clang
 // 14 keeps the call (it does not inline an exported function here); the result is the same.
 qp::request::request(detail::qp_state* qp, kind k, const char* name, const detail::wr_request& r,

@@ -41,9 +41,16 @@ void qp::request::post_unsignaled_at_await() {
 
 // The forced-signaled request is due while too many are unconfirmed (post_unsignaled): post
 // it signaled, awaited like any other. Apart so that the lean path above stays lean.
+// Checked already (before_post); counted throttled once. A post that throws leaves it built
+// and unsignaled, as it was.
 void qp::request::post_throttled() {
     signaled_ = true;
-    post();
+    try {
+        post_signaled();
+    } catch (...) {
+        signaled_ = false;
+        throw;
+    }
 }
 
 [[gnu::flatten]] void qp::request::post() {
@@ -53,6 +60,11 @@ void qp::request::post_throttled() {
                                        ": the qp receives from an srq: post the receive there");
     qp_->before_post(name_);
     if (!signaled_ && post_unsignaled()) return;
+    post_signaled();
+}
+
+// post() after its checks, signaled: the request (or chain) names this awaiter.
+[[gnu::always_inline]] inline void qp::request::post_signaled() {
     if (kind_ == kind::send) {
         ibv_send_wr* head = send_chain_ ? send_chain_ : &send_wr_;
         ibv_send_wr* last = head;

@@ -161,7 +161,7 @@ class qp {
     void to_error();
 
     // SEND (with immediate data, inline, solicited, unsignaled per `o`). Gives the completion
-    // (for an unsignaled send: made up at post, see send_options::signaled).
+    // (for an unsignaled send: made up at its await, see send_options::signaled).
     request send(local_buffer data, send_options o = {}, wait_options w = {}) noexcept;
     // RECV into `into`: gives the completion (byte_len, imm_data, wc_flags). The peer chose
     // what it says: with opcode IBV_WC_RECV_RDMA_WITH_IMM nothing was written into `into`
@@ -307,6 +307,7 @@ class qp::request : detail::wr_op, detail::wait_core {
         return wc;
     }
     inline bool post_unsignaled(); // defined (and only used) in qp_request.cpp
+    inline void post_signaled();   // the same
     void post_unsignaled_at_await();
     [[gnu::noinline, gnu::cold]] void post_throttled();
     // Throws for a send whose doorbell was refused after the provider queued it (rc, no

@@ -40,6 +40,8 @@ class stop_gate : remote_node {
     void arm(io_context& ctx, const std::stop_token& token, void* owner, on_stop_fn on_stop,
              on_resume_fn on_resume) {
         if (!token.stop_possible()) return;
+        if (armed_) [[unlikely]]
+            disarm_armed(); // as std::optional::emplace did: no wait arms twice today
         run = &stop_gate::run_on_context;
         ctx_ = &ctx;
         owner_ = owner;

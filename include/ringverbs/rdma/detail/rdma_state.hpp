@@ -289,8 +289,9 @@ struct cq_state {
 
     void dispatch(const ibv_wc& wc) noexcept;
     void deliver(const ibv_wc& wc) noexcept;
-    // A pool completion of a QP on an SRQ: counted on the SRQ.
-    void note_srq_receive(const ibv_wc& wc) noexcept;
+    // A pool completion of a QP on an SRQ: counted on the SRQ. Out of line (see grow()).
+    [[gnu::noinline]] void note_srq_receive(const ibv_wc& wc) noexcept;
+    [[gnu::noinline]] void grow() noexcept;
     // Inline: cq::next() looks here before it waits (an empty buffer costs a compare).
     bool pop(ibv_wc& out) noexcept {
         if (count == 0) return false;
