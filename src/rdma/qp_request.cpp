@@ -41,8 +41,9 @@ void qp::request::post_unsignaled_at_await() {
 
 // The forced-signaled request is due while too many are unconfirmed (post_unsignaled): post
 // it signaled, awaited like any other. Apart so that the lean path above stays lean.
-// Checked already (before_post); counted throttled once. A post that throws leaves it built
-// and unsignaled, as it was.
+// Checked already (before_post); counted throttled once. A post that throws leaves it
+// unsignaled, as it was: built when nothing was queued, ended by the QP's reset (abandon())
+// when the device queued it and refused the doorbell.
 void qp::request::post_throttled() {
     signaled_ = true;
     try {
