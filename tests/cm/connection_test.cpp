@@ -410,6 +410,8 @@ TEST_CASE("siw: connect() returns once the server's QP reads the connection; a f
     REQUIRE(spinning == 1); // a guest with a CPU 1 (tools/softroce-vm: 2)
     io_context io;
     int unanswered[2] = {0, 0}; // [0]: not settled, [1]: settled
+    int tried[2] = {0, 0};
+    constexpr int control_rounds = 3;
     auto run = [&]() -> task<void> {
         // The buffers registered once, on the PD every connection of the device shares (a
         // first connection makes it): between connect() and the send, the client makes no
@@ -425,7 +427,12 @@ TEST_CASE("siw: connect() returns once the server's QP reads the connection; a f
         quick_flush.queue.flush_timeout = 500ms;
         for (int settled = 0; settled < 2; ++settled) {
             detail::rdma_cm_hooks().settle_on_siw = settled == 1;
-            for (int i = 0; i < per_kind; ++i) {
+            // The control again (up to three rounds) while none of its first messages stalled:
+            // one CI run provoked 0 of 10, where every other run before and after had 8-10.
+            const int rounds = settled == 0 ? control_rounds : 1;
+            for (int i = 0; i < per_kind * rounds; ++i) {
+                if (settled == 0 && i > 0 && i % per_kind == 0 && unanswered[0] > 0) break;
+                ++tried[settled];
                 connection c = co_await connect(io, at, quick_flush);
                 REQUIRE(c.pd().native() == first.pd().native());
                 std::fill(out.begin(), out.end(), std::byte(i));
@@ -444,8 +451,8 @@ TEST_CASE("siw: connect() returns once the server's QP reads the connection; a f
         }
     };
     io.run(run());
-    MESSAGE("unanswered first messages: " << unanswered[0] << " of " << per_kind << " not settled, "
-                                          << unanswered[1] << " of " << per_kind << " settled");
+    MESSAGE("unanswered first messages: " << unanswered[0] << " of " << tried[0] << " not settled, "
+                                          << unanswered[1] << " of " << tried[1] << " settled");
     CHECK(unanswered[0] > 0); // the race was provoked
     CHECK(unanswered[1] == 0);
 }
