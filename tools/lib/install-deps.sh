@@ -24,6 +24,9 @@ ringverbs_deps=(
   # build and test
   meson ninja-build g++ clang clang-format pkg-config python3 cmake
   liburing-dev libibverbs-dev librdmacm-dev doctest-dev
+  # a test's process that does not end is shown with its threads' backtraces before it is
+  # killed (tests/support/harness.py, Server.stop): in CI too, inside the guest
+  gdb
   # the Soft-RoCE VM (tools/softroce-vm)
   qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-providers xz-utils
   # RDMA tools: ibv_devinfo, rping, perftest (tools/perftest-reference)
