@@ -205,10 +205,11 @@ void event_reader::settled() noexcept {
 // that CQ now and queues the next read: returns true. Otherwise false, touching nothing.
 bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
     channel_state& ch = *owner;
+    // (A failed channel has stopped its reader, in fail(): `stopped` covers ch.error.)
     if (cq_context == nullptr || in_flight != 0 || wanted != 1 || stopped || cancelling ||
-        ch.error != 0 || ch.options.mode != polling_mode::events || ch.service.queued ||
-        ch.rearm_due || !ch.fired.empty() || ctx->shutting_down() ||
-        detail::loop(*ctx).has_prioritized_sources()) [[unlikely]]
+        ch.options.mode != polling_mode::events || ch.service.queued || ch.rearm_due ||
+        !ch.fired.empty() || ctx->shutting_down() || detail::loop(*ctx).has_prioritized_sources())
+        [[unlikely]]
         return false;
     cq_state& c = *static_cast<cq_state*>(cq_context);
     if (ch.armed_cqs != (c.armed ? 1u : 0u)) return false; // another CQ may have an event
@@ -218,8 +219,10 @@ bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
     ch.count_event(c);
     ch.service_fired(c);
     // The next read, as refill() queues it (one that could not start is left to refill() on
-    // this turn's service pass).
-    if (owner == nullptr || stopped || cancelling || ch.error != 0) [[unlikely]]
+    // this turn's service pass). Of what the checks above read, the service can only have
+    // failed the channel (which stops the reader): the reader is released, and CQs retired,
+    // by user code only, which does not run here (completions only make coroutines ready).
+    if (stopped) [[unlikely]]
         return true;
     (void)read_again(s);
     return true;
