@@ -92,7 +92,11 @@ class Server:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             if backtrace and shutil.which("gdb"):
-                subprocess.run(["gdb", "-batch", "-p", str(self.proc.pid), "-ex", "thread apply all bt"])
+                try:  # bounded: a process stuck in the kernel can hold gdb's attach too
+                    subprocess.run(["gdb", "-batch", "-p", str(self.proc.pid), "-ex", "thread apply all bt"],
+                                   timeout=60)
+                except subprocess.TimeoutExpired:
+                    print("harness: gdb did not finish within 60 s", flush=True)
             self.proc.kill()
             raise Failure(f"server did not exit within {timeout}s of {sig.name}:\n{self.text()}")
 
