@@ -469,6 +469,7 @@ task<void> session::close(std::string why) {
 // Why the completion wait ended without a completion (not its timeout).
 std::string session::interrupted_reason() {
     if (!post_error_.empty()) return post_error_;
+    if (conn_->completions().device_lost()) return device_gone + oversize_note();
     if (cl_.stopping.stop_requested()) return "interrupted";
     if (conn_->id().is_disconnected()) return "the server closed the connection" + oversize_note();
     return "interrupted";

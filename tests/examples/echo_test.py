@@ -666,8 +666,8 @@ def remove_scratch_device():
 
 def case_device_removed():
     """The device goes away under live traffic (`rdma link delete`, as a hot-unplug would): the
-    client's connections end at once with ENODEV ("the RDMA device is gone"), not by its reply
-    timeout; the server logs the loss and exits non-zero; the kernel completes the removal once
+    client's connections end at once with ENODEV ("the RDMA device is gone"; on iWARP one may
+    end by the server's close for it, which can come first), not by its reply timeout; the server logs the loss and exits non-zero; the kernel completes the removal once
     both let go. A device of its own (the test device's kind) on a dummy netdev of its own."""
     kind = "siw" if os.environ.get("RINGVERBS_TRANSPORT") == "iwarp" else "rxe"
     remove_scratch_device()
@@ -704,7 +704,15 @@ def case_device_removed():
         print(text, end="")
         print(f"echo_test: client ended {client_s:.1f} s, server {server_s:.1f} s after the removal began")
         check(rc == 1, f"client exit status {rc}")
-        check(out.count("the RDMA device is gone") >= 4, "each of the 4 connections ended by the device's loss")
+        gone, closed = out.count("the RDMA device is gone"), out.count("the server closed the connection after")
+        if IWARP:
+            # The server, losing the device too, closes its connections as it exits, and on iWARP
+            # that close is its TCP stream's end, which the client's kernel may report before the
+            # removal (a CI run: 3 gone, 1 "the server closed the connection", 0.3 s after).
+            check(gone >= 1 and gone + closed >= 4,
+                  f"the 4 connections ended by the device's loss or the server's close for it ({gone}, {closed})")
+        else:
+            check(gone >= 4, "each of the 4 connections ended by the device's loss")
         check(client_s < 30, f"the client's connections ended promptly ({client_s:.1f} s)")
         check(src == 1, f"server exit status {src} (non-zero: it lost its device)")
         check("the RDMA device went away" in text, "the server logs the device's loss")
