@@ -667,8 +667,8 @@ def remove_scratch_device():
 def case_device_removed():
     """The device goes away under live traffic (`rdma link delete`, as a hot-unplug would): the
     client's connections end at once with ENODEV ("the RDMA device is gone"; on iWARP one may
-    end by the server's close for it, which can come first), not by its reply timeout; the server logs the loss and exits non-zero; the kernel completes the removal once
-    both let go. A device of its own (the test device's kind) on a dummy netdev of its own."""
+    end by the server's close for it, which can come first), not by its reply timeout; the
+    server logs the loss and exits non-zero; the kernel completes the removal once both let go. A device of its own (the test device's kind) on a dummy netdev of its own."""
     kind = "siw" if os.environ.get("RINGVERBS_TRANSPORT") == "iwarp" else "rxe"
     remove_scratch_device()
     running = []  # what holds the device: killed on a failure, else the removal waits for it
