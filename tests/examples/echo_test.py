@@ -704,7 +704,12 @@ def case_device_removed():
         print(text, end="")
         print(f"echo_test: client ended {client_s:.1f} s, server {server_s:.1f} s after the removal began")
         check(rc == 1, f"client exit status {rc}")
-        gone, closed = out.count("the RDMA device is gone"), out.count("the server closed the connection after")
+        # Each connection's own line (the library's diagnostics, on stderr here too, may also
+        # say "the RDMA device is gone": not counted).
+        ends = re.findall(r"^echo_client: connection \d+ to \S+: (.*) after \d+ of \d+ messages$", out, re.M)
+        check(len(ends) == 4, f"4 connections ended, each with its reason: {ends}")
+        gone = sum("the RDMA device is gone" in e for e in ends)
+        closed = sum(e.startswith("the server closed the connection") for e in ends)
         if IWARP:
             # The server, losing the device too, closes its connections as it exits, and on iWARP
             # that close is its TCP stream's end, which the client's kernel may report before the
