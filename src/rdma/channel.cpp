@@ -372,7 +372,20 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
         if (n < batch) break; // the CQ was empty when polled: nothing is stranded (armed first)
     }
     c.filling = nullptr;
+    if (deferred_watches != nullptr) [[unlikely]]
+        run_deferred_watches();
     return total;
+}
+
+// The batch is done: the QPs a handler moved to the error state start their flush watch now,
+// which may end what they owe at once (reset(), polling their CQs again).
+void channel_state::run_deferred_watches() noexcept {
+    while (qp_state* q = deferred_watches) {
+        deferred_watches = q->deferred_next;
+        q->deferred_next = nullptr;
+        q->watch_deferred = false;
+        q->watch_flush();
+    }
 }
 
 // One service pass, in the io_context's poller phase (after the CQEs of this turn, before

@@ -108,6 +108,12 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
 
 qp_state::~qp_state() {
     unregister_object(qp.native());
+    if (watch_deferred)
+        for (qp_state** at = &recv_cq->channel->deferred_watches; *at; at = &(*at)->deferred_next)
+            if (*at == this) {
+                *at = deferred_next;
+                break;
+            }
     while (waiter* w = close_waiters.pop_front())
         w->fulfil(ECANCELED);
     // release() keeps the state until nothing is owed; this is a last resort.
@@ -172,6 +178,22 @@ void qp_state::to_error() noexcept {
         in_error = true;
     }
     watch_flush();
+}
+
+void qp_state::to_error_in_poll() noexcept {
+    if (!in_error) {
+        try {
+            move_to(IBV_QPS_ERR);
+        } catch (const std::exception& e) {
+            detail::diagnose("%s", e.what());
+        }
+        in_error = true;
+    }
+    if (watch_deferred) return;
+    watch_deferred = true;
+    channel_state& ch = *recv_cq->channel;
+    deferred_next = ch.deferred_watches;
+    ch.deferred_watches = this;
 }
 
 void qp_state::posting_while_in_error(const char* verb) {

@@ -83,7 +83,8 @@ void recv_ring_state::completed(wr_op* op, const ibv_wc& wc, bool) noexcept {
             s->violation = true;
     }
     r->qp->unlink(s);
-    if (s->violation) r->qp->to_error(); // the connection cannot be trusted: its QP ends
+    // The connection cannot be trusted: its QP ends (inside the poll: its flush watch after it).
+    if (s->violation) r->qp->to_error_in_poll();
     if (r->orphaned || r->waiters.empty() || !r->slots[r->head].done) return;
     auto* w = static_cast<recv_ring_waiter*>(r->waiters.pop_front());
     r->hand_out(*w);

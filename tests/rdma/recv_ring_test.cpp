@@ -1,5 +1,6 @@
 // recv_ring on a real RDMA device: messages in arrival order through reposted slots, waits that
 // end without touching the receives, failures that stick, a teardown that owes nothing.
+#include "../engine/uring_faults.hpp"
 #include "rdma_fixture.hpp"
 
 #include <ringverbs/engine/timer.hpp>
@@ -311,6 +312,101 @@ TEST_CASE_FIXTURE(
     };
     io.run(run());
     CHECK(in_error_state(lp.b)); // the other slots flush (or time out)
+}
+
+namespace {
+
+// Two receives of one QP in one poll, the first misreported as longer than its slot, and at
+// that poll the submission ring full with every submission refused: the violation's move to
+// the error state finds no SQE for its flush timer, so what the QP owes ends at once, while
+// the poll's second (real) completion still waits in the runtime's batch. Faults between the
+// runtime and the real device and ring; the completions are the device's.
+struct violation_in_batch {
+    static inline ibv_cq* target = nullptr;
+    static inline io_context* io = nullptr;
+    static inline std::vector<ibv_wc> held;
+    static inline bool fired = false;
+    static inline int refusals = 0;
+    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit = nullptr;
+    violation_in_batch(ibv_cq* cq, io_context& ctx) {
+        target = cq;
+        io = &ctx;
+        held.clear();
+        fired = false;
+        refusals = 0;
+        saved_submit = ringverbs::detail::io_uring_hooks().submit;
+        verbs::detail::hooks().poll_cq = &poll;
+        ringverbs::detail::io_uring_hooks().submit = &submit;
+    }
+    ~violation_in_batch() {
+        verbs::detail::hooks().poll_cq = verbs::detail::real_verbs().poll_cq;
+        ringverbs::detail::io_uring_hooks().submit = saved_submit;
+    }
+    violation_in_batch(const violation_in_batch&) = delete;
+    violation_in_batch& operator=(const violation_in_batch&) = delete;
+    static int submit(io_uring* ring) noexcept {
+        if (refusals > 0) {
+            --refusals;
+            return -EBUSY;
+        }
+        return saved_submit(ring);
+    }
+    static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
+        if (cq != target || fired) return verbs::detail::real_verbs().poll_cq(cq, n, wc);
+        // Held back until two receives are in: then both in one batch.
+        ibv_wc got[8];
+        const int k = verbs::detail::real_verbs().poll_cq(cq, 8, got);
+        for (int i = 0; i < k; ++i)
+            held.push_back(got[i]);
+        if (held.size() < 2 || static_cast<int>(held.size()) > n) return 0;
+        fired = true;
+        held[0].byte_len += 16384; // the first one claims more than its slot
+        for (std::size_t i = 0; i < held.size(); ++i)
+            wc[i] = held[i];
+        ::test::fill_sq(*io, 0);
+        refusals = ringverbs::detail::get_sqe_submit_attempts; // the next get_sqe gives up
+        return static_cast<int>(held.size());
+    }
+};
+
+} // namespace
+
+TEST_CASE_FIXTURE(
+    ring_case,
+    "recv_ring: a violation whose QP's requests end at once (no SQE for the flush timer) while "
+    "a second receive of that QP waits in the same poll: each slot completes exactly once, "
+    "the qp owes nothing and closes") {
+    recv_ring ring(lp.b, dev.pd, 4, 256);
+    region out(dev.pd, 2 * 256);
+    {
+        const violation_in_batch faults(lp.cq_b.native(), io);
+        auto run = [&]() -> task<void> {
+            for (std::uint32_t k = 0; k < 2; ++k) {
+                auto slot = std::span(out.bytes).subspan(k * 256, length_of(k));
+                stamp(slot, k);
+                co_await lp.a.send(local_buffer(out.mr, slot));
+            }
+            bool violation = false;
+            try {
+                co_await ring.next(wait_options(10s));
+            } catch (const std::system_error& e) {
+                MESSAGE(std::string(e.what()));
+                violation = errc_of(e) == std::errc::protocol_error;
+            }
+            CHECK(violation);
+        };
+        io.run(run());
+        CHECK(violation_in_batch::fired);
+        CHECK(violation_in_batch::refusals == 0); // the flush timer's get_sqe was refused
+    }
+    CHECK(lp.b.pending() == 0); // 4 receives posted, 4 ended: none twice
+    bool closed = false;
+    auto close = [&]() -> task<void> {
+        co_await lp.b.close(wait_options(10s));
+        closed = true;
+    };
+    io.run(close());
+    CHECK(closed);
 }
 
 TEST_CASE_FIXTURE(

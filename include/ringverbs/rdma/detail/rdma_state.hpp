@@ -192,6 +192,10 @@ struct channel_state {
     std::vector<cq_state*> servicing; // the `fired` a service pass works through (handle_wakeup)
     int error = 0;                    // a failure of the fd's poll or reads: the channel is dead
     bool rearm_due = false;           // a CQ's arming failed for a while: arm it on the next pass
+    // QPs moved to the error state by a handler during a poll of this channel's CQs
+    // (qp_state::to_error_in_poll): their flush watch runs when that poll's batch is done
+    // (intrusive through qp_state::deferred_next).
+    qp_state* deferred_watches = nullptr;
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
     ~channel_state();
@@ -222,6 +226,7 @@ struct channel_state {
     std::size_t rearm_unarmed() noexcept;
     void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
+    void run_deferred_watches() noexcept;
     void fail(int err) noexcept;
 };
 
@@ -406,6 +411,9 @@ struct qp_state {
     flush_timer_op flush_timer;
     __kernel_timespec flush_ts{};
     bool flush_timer_armed = false;
+    // Listed in recv_cq's channel's deferred_watches (to_error_in_poll).
+    bool watch_deferred = false;
+    qp_state* deferred_next = nullptr;
     // Set by ~qp while requests are still owed: the state owns itself until the last one
     // completes (or is declared never flushed), then frees itself from its flush timer's CQE.
     std::shared_ptr<qp_state> keep_alive;
@@ -457,6 +465,11 @@ struct qp_state {
     // bounded flush. Never throws: a failure goes to the diagnostics sink, and the flush
     // timer then ends what is owed.
     void to_error() noexcept;
+    // to_error from a completion handler, inside a poll of the QP's CQs (drain_cq): the flush
+    // watch runs after the poll's batch, since its fallback (reset(): no SQE for the timer, or
+    // the io_context shutting down) polls those CQs and would make up an end for a request
+    // whose real completion is still in the batch, which then ended it a second time.
+    void to_error_in_poll() noexcept;
     // A request is about to be posted while in_error or reset_by_us: asks the device whether
     // the QP is still in the error state (then the post is bounded like a flush) or was
     // connected again since. Throws std::system_error (EINVAL, naming `verb` and the qp) when
