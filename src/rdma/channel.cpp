@@ -372,13 +372,11 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
         if (n < batch) break; // the CQ was empty when polled: nothing is stranded (armed first)
     }
     c.filling = nullptr;
-    if (deferred_watches != nullptr) [[unlikely]]
-        run_deferred_watches();
     return total;
 }
 
-// The batch is done: the QPs a handler moved to the error state start their flush watch now,
-// which may end what they owe at once (reset(), polling their CQs again).
+// No poll is under way: the QPs a handler moved to the error state during one start their
+// flush watch now, which may end what they owe at once (reset(), polling their CQs again).
 void channel_state::run_deferred_watches() noexcept {
     while (qp_state* q = deferred_watches) {
         deferred_watches = q->deferred_next;
@@ -393,6 +391,14 @@ void channel_state::run_deferred_watches() noexcept {
 // it for the batched ack, re-arm, then poll until empty: a completion that lands between the
 // last poll and the arm raises a new event, one that lands before is found by the poll.
 void channel_state::run_service() noexcept {
+    service_pass();
+    // After the pass's polls, in this turn: a flush watch a handler deferred (the at-once path
+    // queued this pass for it).
+    if (deferred_watches != nullptr) [[unlikely]]
+        run_deferred_watches();
+}
+
+void channel_state::service_pass() noexcept {
     std::size_t found = 0;
     // CQs still armed after this turn's ring events: some may have an event still unread.
     const std::size_t armed_before = armed_cqs;

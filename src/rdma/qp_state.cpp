@@ -191,9 +191,13 @@ void qp_state::to_error_in_poll() noexcept {
     }
     if (watch_deferred) return;
     watch_deferred = true;
+    // Run at the end of the channel's service pass (queued here: the at-once path has none),
+    // or by a reset() of a QP on its CQs after its polls (the only polls of an io_context
+    // shutting down, whose service passes no longer run).
     channel_state& ch = *recv_cq->channel;
     deferred_next = ch.deferred_watches;
     ch.deferred_watches = this;
+    detail::loop(*ch.ctx).queue_poller(&ch.service);
 }
 
 void qp_state::posting_while_in_error(const char* verb) {
@@ -313,6 +317,10 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     // What the device delivered before the reset names live awaiters: dispatch it.
     send_cq->channel->drain_cq(*send_cq);
     if (recv_cq != send_cq) recv_cq->channel->drain_cq(*recv_cq);
+    // A violation those polls found (to_error_in_poll) has its flush watch now: an io_context
+    // shutting down runs no service pass that would.
+    for (cq_state* c : {send_cq.get(), recv_cq.get()})
+        if (c->channel->deferred_watches != nullptr) c->channel->run_deferred_watches();
     while (pending) {
         ibv_wc wc{};
         wc.status = IBV_WC_WR_FLUSH_ERR;

@@ -371,42 +371,48 @@ struct violation_in_batch {
 
 } // namespace
 
-TEST_CASE_FIXTURE(
-    ring_case,
+TEST_CASE(
     "recv_ring: a violation whose QP's requests end at once (no SQE for the flush timer) while "
     "a second receive of that QP waits in the same poll: each slot completes exactly once, "
-    "the qp owes nothing and closes") {
-    recv_ring ring(lp.b, dev.pd, 4, 256);
-    region out(dev.pd, 2 * 256);
-    {
-        const violation_in_batch faults(lp.cq_b.native(), io);
-        auto run = [&]() -> task<void> {
-            for (std::uint32_t k = 0; k < 2; ++k) {
-                auto slot = std::span(out.bytes).subspan(k * 256, length_of(k));
-                stamp(slot, k);
-                co_await lp.a.send(local_buffer(out.mr, slot));
-            }
-            bool violation = false;
-            try {
-                co_await ring.next(wait_options(10s));
-            } catch (const std::system_error& e) {
-                MESSAGE(std::string(e.what()));
-                violation = errc_of(e) == std::errc::protocol_error;
-            }
-            CHECK(violation);
+    "the qp owes nothing and closes (both ways of reading events)") {
+    for (const event_read way : {event_read::ring, event_read::syscall}) {
+        const std::string path = to_string(way);
+        CAPTURE(path);
+        device dev;
+        io_context io;
+        loopback lp{dev, io, channel_options{.read = way}};
+        recv_ring ring(lp.b, dev.pd, 4, 256);
+        region out(dev.pd, 2 * 256);
+        {
+            const violation_in_batch faults(lp.cq_b.native(), io);
+            auto run = [&]() -> task<void> {
+                for (std::uint32_t k = 0; k < 2; ++k) {
+                    auto slot = std::span(out.bytes).subspan(k * 256, length_of(k));
+                    stamp(slot, k);
+                    co_await lp.a.send(local_buffer(out.mr, slot));
+                }
+                bool violation = false;
+                try {
+                    co_await ring.next(wait_options(10s));
+                } catch (const std::system_error& e) {
+                    MESSAGE(std::string(e.what()));
+                    violation = errc_of(e) == std::errc::protocol_error;
+                }
+                CHECK(violation);
+            };
+            io.run(run());
+            CHECK(violation_in_batch::fired);
+            CHECK(violation_in_batch::refusals == 0); // the flush timer's get_sqe was refused
+        }
+        bool closed = false;
+        auto close = [&]() -> task<void> {
+            co_await lp.b.close(wait_options(10s)); // nothing owed: none ended twice
+            closed = true;
         };
-        io.run(run());
-        CHECK(violation_in_batch::fired);
-        CHECK(violation_in_batch::refusals == 0); // the flush timer's get_sqe was refused
+        io.run(close());
+        CHECK(closed);
+        CHECK(lp.b.pending() == 0); // 4 receives posted, 4 ended
     }
-    CHECK(lp.b.pending() == 0); // 4 receives posted, 4 ended: none twice
-    bool closed = false;
-    auto close = [&]() -> task<void> {
-        co_await lp.b.close(wait_options(10s));
-        closed = true;
-    };
-    io.run(close());
-    CHECK(closed);
 }
 
 TEST_CASE_FIXTURE(

@@ -193,8 +193,9 @@ struct channel_state {
     int error = 0;                    // a failure of the fd's poll or reads: the channel is dead
     bool rearm_due = false;           // a CQ's arming failed for a while: arm it on the next pass
     // QPs moved to the error state by a handler during a poll of this channel's CQs
-    // (qp_state::to_error_in_poll): their flush watch runs when that poll's batch is done
-    // (intrusive through qp_state::deferred_next).
+    // (qp_state::to_error_in_poll): their flush watch runs after that poll, at the end of
+    // the service pass (queued for it when the poll was the at-once path's) or after the
+    // polls of a reset() (intrusive through qp_state::deferred_next).
     qp_state* deferred_watches = nullptr;
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
@@ -203,6 +204,7 @@ struct channel_state {
     channel_state& operator=(const channel_state&) = delete;
 
     void run_service() noexcept;
+    void service_pass() noexcept;
     // run_service's steps, per polling mode (see channel.cpp).
     enum class read_outcome { all_read, interrupted, failed }; // how read_events() ended
     std::optional<std::size_t> handle_wakeup() noexcept;
@@ -465,10 +467,11 @@ struct qp_state {
     // bounded flush. Never throws: a failure goes to the diagnostics sink, and the flush
     // timer then ends what is owed.
     void to_error() noexcept;
-    // to_error from a completion handler, inside a poll of the QP's CQs (drain_cq): the flush
-    // watch runs after the poll's batch, since its fallback (reset(): no SQE for the timer, or
-    // the io_context shutting down) polls those CQs and would make up an end for a request
-    // whose real completion is still in the batch, which then ended it a second time.
+    // to_error from a completion handler, inside a poll of the QP's CQs (drain_cq): the
+    // flush watch runs after the poll (channel_state::deferred_watches), since its fallback
+    // (reset(): no SQE for the timer, or the io_context shutting down) polls those CQs and
+    // would make up an end for a request whose real completion is still in the batch, which
+    // then ended it a second time.
     void to_error_in_poll() noexcept;
     // A request is about to be posted while in_error or reset_by_us: asks the device whether
     // the QP is still in the error state (then the post is bounded like a flush) or was
