@@ -394,8 +394,7 @@ void channel_state::run_service() noexcept {
     service_pass();
     // After the pass's polls, in this turn: a flush watch a handler deferred (the at-once path
     // queued this pass for it).
-    if (deferred_watches != nullptr) [[unlikely]]
-        run_deferred_watches();
+    run_deferred_watches_if_any();
 }
 
 void channel_state::service_pass() noexcept {

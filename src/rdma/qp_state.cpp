@@ -192,7 +192,7 @@ void qp_state::to_error_in_poll() noexcept {
     if (watch_deferred) return;
     watch_deferred = true;
     // Run at the end of the channel's service pass (queued here: the at-once path has none),
-    // or by a reset() of a QP on its CQs after its polls (the only polls of an io_context
+    // or after the polls of a reset() or an srq's end (the only polls of an io_context
     // shutting down, whose service passes no longer run).
     channel_state& ch = *recv_cq->channel;
     deferred_next = ch.deferred_watches;
@@ -317,10 +317,6 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     // What the device delivered before the reset names live awaiters: dispatch it.
     send_cq->channel->drain_cq(*send_cq);
     if (recv_cq != send_cq) recv_cq->channel->drain_cq(*recv_cq);
-    // A violation those polls found (to_error_in_poll) has its flush watch now: an io_context
-    // shutting down runs no service pass that would.
-    for (cq_state* c : {send_cq.get(), recv_cq.get()})
-        if (c->channel->deferred_watches != nullptr) c->channel->run_deferred_watches();
     while (pending) {
         ibv_wc wc{};
         wc.status = IBV_WC_WR_FLUSH_ERR;
@@ -330,6 +326,11 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
         op->on_wc(op, wc, true);
     }
     in_error = false; // RESET now; connecting it again is the user's
+    // A violation the polls above found (to_error_in_poll) has its flush watch now (an
+    // io_context shutting down runs no service pass that would). After the made-up ends: this
+    // QP, if listed, owes nothing and arms no timer (which ~qp_state's reset would outlive).
+    send_cq->channel->run_deferred_watches_if_any();
+    recv_cq->channel->run_deferred_watches_if_any();
 }
 
 void qp_state::mark_cut_off(int err, bool by_srq) noexcept {

@@ -43,8 +43,10 @@ srq_state::~srq_state() {
     unregister_object(srq.get());
     // Every QP on this SRQ is gone: what their receive CQs still hold is the last that can
     // name our receives.
-    for (auto& c : recv_cqs)
+    for (auto& c : recv_cqs) {
         c->channel->drain_cq(*c);
+        c->channel->run_deferred_watches_if_any(); // a recv_ring's violation on another QP
+    }
     end_owed(0);
     while (waiter* w = low_water_waiters.pop_front())
         w->fulfil(ECANCELED);

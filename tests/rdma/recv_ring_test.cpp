@@ -3,6 +3,7 @@
 #include "../engine/uring_faults.hpp"
 #include "rdma_fixture.hpp"
 
+#include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/timer.hpp>
 #include <ringverbs/engine/when_all.hpp>
 #include <ringverbs/rdma/recv_ring.hpp>
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <endian.h>
 #include <optional>
@@ -316,41 +318,45 @@ TEST_CASE_FIXTURE(
 
 namespace {
 
-// Two receives of one QP in one poll, the first misreported as longer than its slot, and at
-// that poll the submission ring full with every submission refused: the violation's move to
-// the error state finds no SQE for its flush timer, so what the QP owes ends at once, while
-// the poll's second (real) completion still waits in the runtime's batch. Faults between the
-// runtime and the real device and ring; the completions are the device's.
+// Two receives of one QP in one poll, the first misreported as longer than its slot, and from
+// that poll on the submission ring full with every submission refused until the violation's
+// flush watch found no SQE for its timer (its diagnostic), so that what the QP owes ends at
+// once (the event reader's next read may be refused before: it tries again a turn later).
+// Faults between the runtime and the real device and ring; the completions are the device's.
 struct violation_in_batch {
     static inline ibv_cq* target = nullptr;
     static inline io_context* io = nullptr;
     static inline std::vector<ibv_wc> held;
     static inline bool fired = false;
-    static inline int refusals = 0;
+    static inline bool refusing = false;
+    static inline bool watch_refused = false; // "no flush timer": the watch ended what was owed
     static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit = nullptr;
+    static inline diagnostics_sink saved_sink = nullptr;
     violation_in_batch(ibv_cq* cq, io_context& ctx) {
         target = cq;
         io = &ctx;
         held.clear();
-        fired = false;
-        refusals = 0;
+        fired = refusing = watch_refused = false;
         saved_submit = ringverbs::detail::io_uring_hooks().submit;
         verbs::detail::hooks().poll_cq = &poll;
         ringverbs::detail::io_uring_hooks().submit = &submit;
+        saved_sink = set_diagnostics_sink(&sink);
     }
     ~violation_in_batch() {
+        set_diagnostics_sink(saved_sink);
         verbs::detail::hooks().poll_cq = verbs::detail::real_verbs().poll_cq;
         ringverbs::detail::io_uring_hooks().submit = saved_submit;
     }
     violation_in_batch(const violation_in_batch&) = delete;
     violation_in_batch& operator=(const violation_in_batch&) = delete;
-    static int submit(io_uring* ring) noexcept {
-        if (refusals > 0) {
-            --refusals;
-            return -EBUSY;
+    static void sink(std::string_view m) noexcept {
+        if (m.find("no flush timer") != std::string_view::npos) {
+            watch_refused = true;
+            refusing = false;
         }
-        return saved_submit(ring);
+        std::fprintf(stderr, "ringverbs: %.*s\n", static_cast<int>(m.size()), m.data());
     }
+    static int submit(io_uring* ring) noexcept { return refusing ? -EBUSY : saved_submit(ring); }
     static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
         if (cq != target || fired) return verbs::detail::real_verbs().poll_cq(cq, n, wc);
         // Held back until two receives are in: then both in one batch.
@@ -364,7 +370,7 @@ struct violation_in_batch {
         for (std::size_t i = 0; i < held.size(); ++i)
             wc[i] = held[i];
         ::test::fill_sq(*io, 0);
-        refusals = ringverbs::detail::get_sqe_submit_attempts; // the next get_sqe gives up
+        refusing = true;
         return static_cast<int>(held.size());
     }
 };
@@ -402,7 +408,7 @@ TEST_CASE(
             };
             io.run(run());
             CHECK(violation_in_batch::fired);
-            CHECK(violation_in_batch::refusals == 0); // the flush timer's get_sqe was refused
+            CHECK(violation_in_batch::watch_refused); // the flush watch found no SQE
         }
         bool closed = false;
         auto close = [&]() -> task<void> {

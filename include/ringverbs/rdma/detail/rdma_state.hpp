@@ -195,7 +195,7 @@ struct channel_state {
     // QPs moved to the error state by a handler during a poll of this channel's CQs
     // (qp_state::to_error_in_poll): their flush watch runs after that poll, at the end of
     // the service pass (queued for it when the poll was the at-once path's) or after the
-    // polls of a reset() (intrusive through qp_state::deferred_next).
+    // polls of a reset() or an srq's end (intrusive through qp_state::deferred_next).
     qp_state* deferred_watches = nullptr;
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
@@ -229,6 +229,11 @@ struct channel_state {
     void adapt_spin(std::chrono::nanoseconds gap) noexcept;
     std::size_t drain_cq(cq_state& cq) noexcept;
     void run_deferred_watches() noexcept;
+    // After a poll outside a service pass (a reset's, an srq's end): the watches it deferred.
+    void run_deferred_watches_if_any() noexcept {
+        if (deferred_watches != nullptr) [[unlikely]]
+            run_deferred_watches();
+    }
     void fail(int err) noexcept;
 };
 

@@ -110,6 +110,7 @@ struct srq_state {
             for (qp_state* q : c->qps)
                 if (q->srq.get() == this) end_qp(*q);
             c->channel->drain_cq(*c);
+            c->channel->run_deferred_watches_if_any(); // a recv_ring's violation on another QP
         }
         end_owed(vendor_err);
     }
