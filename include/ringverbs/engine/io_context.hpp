@@ -185,8 +185,14 @@ class io_context {
     // (ENOBUFS naming io_uring_get_sqe when the ring could never hold them and `reserve`).
     io_uring_sqe* get_sqe(unsigned reserve = 1) {
         // Inline where the ring has room (every call but rare ones): room_for() otherwise.
-        if (io_uring_sq_space_left(&ring_) >= reserve + reserved_) [[likely]]
-            return io_uring_get_sqe(&ring_);
+        // io_uring_sq_space_left and io_uring_get_sqe for this ring: no SQPOLL (the kernel
+        // moves the head only inside our io_uring_enter), no SQE128 (64-byte slots).
+        io_uring_sq& sq = ring_.sq;
+        const unsigned tail = sq.sqe_tail;
+        if (sq.ring_entries - (tail - *sq.khead) >= reserve + reserved_) [[likely]] {
+            sq.sqe_tail = tail + 1;
+            return &sq.sqes[tail & sq.ring_mask];
+        }
         return get_sqe_after_room(reserve);
     }
     io_uring_sqe* get_sqe_after_room(unsigned reserve);
@@ -261,6 +267,7 @@ class io_context {
     void report(std::exception_ptr e);
     void rethrow_reported();
     bool out_of_work() const noexcept;
+    int submit_and_wait_one() noexcept;
 
     io_uring ring_{};
     unsigned setup_flags_ = 0;
@@ -269,8 +276,9 @@ class io_context {
     int wake_fd_ = -1;
     bool shutting_down_ = false;
     bool ring_disabled_ = false;
-    bool wakeup_rearm_due_ = false; // the wakeup read could not be re-armed in the CQE loop
-    unsigned spin_turns_ = 0;       // created disabled; enabled by the first thread that submits
+    bool wakeup_rearm_due_ = false;   // the wakeup read could not be re-armed in the CQE loop
+    bool ring_fd_registered_ = false; // io_uring_register_ring_fd: enter by the fd's index
+    unsigned spin_turns_ = 0;         // created disabled; enabled by the first thread that submits
     std::size_t in_flight_ = 0;
     std::size_t background_ = 0;
     std::size_t waiting_ = 0;
