@@ -27,7 +27,7 @@ event_reader::event_reader(channel_state& ch)
 }
 
 void event_reader::start() {
-    if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) {
+    if (const int rc = verbs::detail::start_event_read(keep_open.get()); rc < 0) {
         ended_without_event(rc);
         if (!stopped) detail::loop(*ctx).queue_poller(&owner->service); // refill tries again
         return;
@@ -96,7 +96,7 @@ void event_reader::refill(std::size_t armed) noexcept {
 // interruptions cannot hold this one up), or no SQE could be had (again on the next turn; the
 // channel fails after max_retries such turns in a row).
 bool event_reader::read_again(slot& s) noexcept {
-    if (const int rc = hooks().start_event_read(keep_open.get()); rc < 0) [[unlikely]] {
+    if (const int rc = verbs::detail::start_event_read(keep_open.get()); rc < 0) [[unlikely]] {
         ended_without_event(rc);
         if (!stopped) detail::loop(*ctx).queue_poller(&owner->service);
         return false;
@@ -179,7 +179,7 @@ void event_reader::settled() noexcept {
         // Counted unacked first, whoever gets it: the CQ's destroy waits for its ack. A CQ
         // whose state is gone (retired here, or living on in a QP) has no user context any
         // more (~cq_state): ring_event counts the event in gone_cq_events.
-        const verbs::cq_event ev = verbs::completion_channel::take_event(s.event.cq_handle);
+        const verbs::cq_event ev = verbs::detail::take_cq_event(s.event.cq_handle);
         if (r->owner != nullptr) {
             // Its dispatch cannot end the channel or the reader: completion handlers unlink
             // requests, make waiters ready and queue SQEs, and free nothing (a qp_state goes

@@ -49,19 +49,7 @@ std::optional<cq_event> completion_channel::get_event() {
 }
 
 cq_event completion_channel::take_event(std::uint64_t cq_handle) noexcept {
-    // The kernel hands back the pointer libibverbs gave as the CQ's handle at creation.
-    auto* cq = reinterpret_cast<ibv_cq*>(static_cast<std::uintptr_t>(cq_handle));
-    // The provider's cq_event op, which ibv_get_cq_event calls and which has no public entry
-    // point: verbs_set_ops() copies it into the ABI-compatibility slot _compat_cq_event (a
-    // no-op for providers without one, never null). Declared there as void *(*)(void); it is
-    // the provider's void (*)(struct ibv_cq *). The cast goes through void (*)(void), the
-    // type that converts to any other without a warning.
-    using cq_event_fn = void (*)(ibv_cq*);
-    if (auto* op = cq->context->ops._compat_cq_event; op != nullptr)
-        reinterpret_cast<cq_event_fn>(reinterpret_cast<void (*)()>(op))(cq);
-    auto* state = static_cast<detail::owned_cq*>(cq->cq_context);
-    state->unacked.fetch_add(1, std::memory_order_relaxed);
-    return cq_event{cq, state->user_context};
+    return detail::take_cq_event(cq_handle); // inline there for the runtime's read path
 }
 
 std::optional<cq_event> completion_channel::wait_event(std::chrono::milliseconds timeout) {

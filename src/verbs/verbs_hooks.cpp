@@ -2,6 +2,10 @@
 
 namespace ringverbs::verbs::detail {
 
+int no_event_read_fault(ibv_comp_channel*) noexcept {
+    return 0;
+}
+
 namespace {
 // ibv_poll_cq, ibv_post_* and ibv_req_notify_cq are inline functions of verbs.h: each entry
 // is a plain function that calls the verb.
@@ -20,7 +24,7 @@ constexpr verbs_hooks real{
     [](ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
         return ibv_get_cq_event(ch, cq, ctx);
     },
-    [](ibv_comp_channel*) noexcept { return 0; },
+    &no_event_read_fault,
     [](ibv_qp* qp, ibv_qp_attr* attr, int mask) noexcept { return ibv_modify_qp(qp, attr, mask); },
 };
 } // namespace

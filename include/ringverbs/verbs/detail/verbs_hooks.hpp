@@ -30,11 +30,21 @@ struct verbs_hooks {
     int (*modify_qp)(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) noexcept;
 };
 
+// The real start_event_read: nothing to fail, returns 0. Named so that the read path can skip
+// the call while no test replaced it (start_event_read() below).
+int no_event_read_fault(ibv_comp_channel* channel) noexcept;
+
 // The table in force (one per process), constant-initialized to the real verbs. Reached
 // inline: the completion path reads it on every poll, arm, post and event read.
 extern verbs_hooks hooks_table;
 inline verbs_hooks& hooks() noexcept {
     return hooks_table;
+}
+
+// hooks().start_event_read(channel), without the call while it is the real one.
+inline int start_event_read(ibv_comp_channel* channel) noexcept {
+    const auto f = hooks_table.start_event_read;
+    return f == &no_event_read_fault ? 0 : f(channel);
 }
 // The real verbs, to restore the table or to call from a hook.
 const verbs_hooks& real_verbs() noexcept;
