@@ -341,6 +341,39 @@ void channel_state::fall_back(int err, bool transient) noexcept {
     }
 }
 
+// A completion drain_cq polled, to its owner: a per-request await's op (its wr_id names it),
+// else cq::next()'s waiters or buffer. Here, beside the poll loop, so that the loop and the
+// at-once path (event_reader::cqe, flattened) inline it.
+void cq_state::dispatch(const ibv_wc& wc) noexcept {
+    if (wc.wr_id & wr_tag_ours) {
+        auto* op = reinterpret_cast<wr_op*>(wc.wr_id & ~(wr_tag_ours | wr_tag_last));
+        op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);
+        return;
+    }
+    if (!srq_qps.empty()) note_srq_receive(wc);
+    deliver(wc);
+}
+
+void cq_state::deliver(const ibv_wc& wc) noexcept {
+    if (closed) return; // nobody can consume it any more
+    if (filling) {
+        filling->out[filling->taken++] = wc;
+        if (filling->taken == filling->capacity) filling = nullptr;
+        return;
+    }
+    if (waiter* w = waiters.pop_front()) {
+        auto* c = static_cast<completion_waiter*>(w); // only those wait on a cq
+        c->out[c->taken++] = wc;
+        c->fulfil(0);
+        if (c->taken < c->capacity) filling = c;
+        return;
+    }
+    if (count == buffer.size()) [[unlikely]]
+        grow();
+    buffer[(head + count) & (buffer.size() - 1)] = wc;
+    ++count;
+}
+
 // The most completions drain_cq takes per ibv_poll_cq, whatever poll_batch asks (its stack array).
 constexpr std::size_t max_poll_batch = 64;
 

@@ -113,42 +113,12 @@ void cq_state::arm_failed(int rc) noexcept {
     fail_waiters(e.code().value());
 }
 
-[[gnu::flatten]] void cq_state::dispatch(const ibv_wc& wc) noexcept {
-    if (wc.wr_id & wr_tag_ours) {
-        auto* op = reinterpret_cast<wr_op*>(wc.wr_id & ~(wr_tag_ours | wr_tag_last));
-        op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);
-        return;
-    }
-    if (!srq_qps.empty()) note_srq_receive(wc);
-    deliver(wc);
-}
-
 void cq_state::note_srq_receive(const ibv_wc& wc) noexcept {
     const auto it = srq_qps.find(wc.qp_num);
     if (it == srq_qps.end()) return;
     const bool receive =
         wc.status == IBV_WC_SUCCESS ? (wc.opcode & IBV_WC_RECV) != 0 : it->second.receives_only;
     if (receive) it->second.srq->consumed();
-}
-
-void cq_state::deliver(const ibv_wc& wc) noexcept {
-    if (closed) return; // nobody can consume it any more
-    if (filling) {
-        filling->out[filling->taken++] = wc;
-        if (filling->taken == filling->capacity) filling = nullptr;
-        return;
-    }
-    if (waiter* w = waiters.pop_front()) {
-        auto* c = static_cast<completion_waiter*>(w); // only those wait on a cq
-        c->out[c->taken++] = wc;
-        c->fulfil(0);
-        if (c->taken < c->capacity) filling = c;
-        return;
-    }
-    if (count == buffer.size()) [[unlikely]]
-        grow();
-    buffer[(head + count) & (buffer.size() - 1)] = wc;
-    ++count;
 }
 
 // Consumers fell behind by more than the CQ holds: grow (the only allocation here). Out of
