@@ -267,6 +267,9 @@ class io_context {
     void report(std::exception_ptr e);
     void rethrow_reported();
     bool out_of_work() const noexcept;
+    std::size_t turn(bool block);
+    // run(task)'s loop: turns until `done` (set by the task's end).
+    void run_until(const bool& done);
     int submit_and_wait_one() noexcept;
 
     io_uring ring_{};
@@ -448,8 +451,7 @@ T io_context::run(task<T> t) {
     bool done = false;
     auto root = detail::run_root<T>(*this, std::move(t), result, error, done);
     ready(root.handle);
-    while (!done)
-        run_once(true);
+    run_until(done);
     if (error) std::rethrow_exception(error);
     return result.take();
 }
