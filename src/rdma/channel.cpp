@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -23,6 +24,10 @@ event_reader::event_reader(channel_state& ch)
     for (slot& s : slots) {
         s.reader = this;
         s.on_cqe = &event_reader::cqe;
+        // One event per read: the kernel gives whole events only, and never more than one.
+        auto* read = ::new (static_cast<void*>(s.read)) io_uring_sqe{};
+        io_uring_prep_read(read, keep_open->fd, &s.event, sizeof s.event, 0);
+        io_uring_sqe_set_data(read, static_cast<operation*>(&s));
     }
 }
 
@@ -62,10 +67,7 @@ void event_reader::ended_without_event(int res) noexcept {
 
 // Throws std::system_error naming io_uring_submit (no SQE could be had).
 void event_reader::queue(slot& s) {
-    io_uring_sqe* sqe = detail::loop(*ctx).get_sqe();
-    // One event per read: the kernel gives whole events only, and never more than one.
-    io_uring_prep_read(sqe, keep_open->fd, &s.event, sizeof s.event, 0);
-    io_uring_sqe_set_data(sqe, static_cast<operation*>(&s));
+    std::memcpy(detail::loop(*ctx).get_sqe(), s.read, sizeof s.read);
     s.in_flight = true;
     ++in_flight;
     detail::loop(*ctx).start_background();
@@ -205,11 +207,14 @@ void event_reader::settled() noexcept {
 // that CQ now and queues the next read: returns true. Otherwise false, touching nothing.
 bool event_reader::serve_at_once(slot& s, void* cq_context) noexcept {
     channel_state& ch = *owner;
-    // (A failed channel has stopped its reader, in fail(): `stopped` covers ch.error.)
+    // (A failed channel has stopped its reader, in fail(): `stopped` covers ch.error. In
+    // events mode a CQ in `fired` or one to arm again (rearm_due) has the service queued:
+    // ring_event and cq_state::arm_failed queue it, and the pass, which empties `fired` and
+    // clears rearm_due, queues itself again when either is left; `service.queued` covers
+    // both.)
     if (cq_context == nullptr || in_flight != 0 || wanted != 1 || stopped || cancelling ||
-        ch.options.mode != polling_mode::events || ch.service.queued || ch.rearm_due ||
-        !ch.fired.empty() || ctx->shutting_down() || detail::loop(*ctx).has_prioritized_sources())
-        [[unlikely]]
+        ch.options.mode != polling_mode::events || ch.service.queued || ctx->shutting_down() ||
+        detail::loop(*ctx).has_prioritized_sources()) [[unlikely]]
         return false;
     cq_state& c = *static_cast<cq_state*>(cq_context);
     if (ch.armed_cqs != (c.armed ? 1u : 0u)) return false; // another CQ may have an event

@@ -99,6 +99,10 @@ struct event_reader {
         event_reader* reader = nullptr;
         ib_uverbs_comp_event_desc event{}; // the kernel writes one event here
         bool in_flight = false;
+        // This slot's read, prepared once (the fd, the buffer and the slot never change):
+        // queue() copies it into the ring's SQE. Bytes, not an io_uring_sqe member: its last
+        // union has a zero-length array, which ISO C++ does not allow in a member.
+        alignas(io_uring_sqe) unsigned char read[sizeof(io_uring_sqe)]{};
     };
 
     channel_state* owner = nullptr; // null once orphaned (the channel is gone)
