@@ -19,10 +19,10 @@ namespace ringverbs {
 
 namespace {
 
-// The io_context whose run_once() is on this thread's stack: push_remote() from inside it
-// needs no eventfd write, the loop looks at the queue before it sleeps.
-// initial-exec: read at a fixed offset from the thread pointer instead of through
-// __tls_get_addr (the default model in a shared library), twice per loop turn. A program
+// The io_context whose loop (run_once(), run(), run(task)) is on this thread's stack:
+// push_remote() from inside it needs no eventfd write, the loop looks at the queue before it
+// sleeps. initial-exec: read at a fixed offset from the thread pointer instead of through
+// __tls_get_addr (the default model in a shared library). A program
 // linked with the library has it in its static TLS block; one that dlopen()s it gets these 8
 // bytes from glibc's reserve of static TLS, which exists for such variables.
 [[gnu::tls_model("initial-exec")]] thread_local io_context* running_context = nullptr;
@@ -380,8 +380,9 @@ void io_context::enable_ring() {
 
 namespace {
 
-// io_uring_enter(2), as liburing's own wrapper makes it on x86-64: the instruction inline,
-// the result -errno or what the kernel returned.
+// io_uring_enter(2) without a signal mask, as liburing 2.3's wrapper makes it on x86-64 (which
+// passes the mask's size, 8, where this passes 0: the kernel reads it only with a mask): the
+// instruction inline, the result -errno or what the kernel returned.
 inline int sys_io_uring_enter(int fd, unsigned submit, unsigned wait, unsigned flags) noexcept {
 #if defined(__x86_64__)
     long ret = __NR_io_uring_enter;

@@ -537,3 +537,29 @@ TEST_CASE("a held-back SQE slot is taken only when prepared: a submission that m
     CHECK(held.cqes == 1);
     CHECK(stale.submitted_stale == 0);
 }
+
+TEST_CASE("get_sqe hands out a reused slot that a prep helper leaves without the flags of the "
+          "request that held it before (a timed request's IOSQE_IO_LINK)") {
+    io_context io({.sq_entries = 4});
+    test::pipe_pair p;
+    std::byte b[8];
+    REQUIRE(::write(p.wr.get(), "x", 1) == 1);
+    // A timed read: its SQE is linked (IOSQE_IO_LINK) to the timeout's that follows it.
+    io.run([&]() -> task<void> {
+        co_await ringverbs::read(io, p.rd.get(), b, ringverbs::current_position,
+                                 ringverbs::wait_options(5s));
+    }());
+    // Every slot of the 4-slot ring reused twice, by NOPs: prepared as a request would be,
+    // each must carry no flag. (From liburing 2.6 the prep helpers leave flags, ioprio,
+    // rw_flags... to io_uring_get_sqe, which get_sqe's fast path then has to do itself.)
+    for (int round = 0; round < 2; ++round) {
+        for (int i = 0; i < 4; ++i) {
+            io_uring_sqe* sqe = ringverbs::detail::loop(io).get_sqe();
+            io_uring_prep_nop(sqe);
+            io_uring_sqe_set_data64(sqe, ringverbs::detail::ignored_user_data);
+            CHECK(sqe->flags == 0);
+            CHECK(sqe->rw_flags == 0);
+        }
+        io.run_once(false); // submits them: the kernel ends each at once
+    }
+}

@@ -191,7 +191,14 @@ class io_context {
         const unsigned tail = sq.sqe_tail;
         if (sq.ring_entries - (tail - *sq.khead) >= reserve + reserved_) [[likely]] {
             sq.sqe_tail = tail + 1;
-            return &sq.sqes[tail & sq.ring_mask];
+            io_uring_sqe* sqe = &sq.sqes[tail & sq.ring_mask];
+#if defined(IO_URING_VERSION_MAJOR) &&                                                             \
+    (IO_URING_VERSION_MAJOR > 2 || (IO_URING_VERSION_MAJOR == 2 && IO_URING_VERSION_MINOR >= 6))
+            // From liburing 2.6 io_uring_get_sqe clears the fields its prep helpers no longer
+            // write (flags, ioprio, rw_flags...): a reused slot would keep, say, an IO_LINK.
+            io_uring_initialize_sqe(sqe);
+#endif
+            return sqe;
         }
         return get_sqe_after_room(reserve);
     }
@@ -209,23 +216,43 @@ class io_context {
         --reserved_;
         return io_uring_get_sqe(&ring_);
     }
-    void release_reserved_sqe() noexcept { --reserved_; }
+    void release_reserved_sqe() noexcept {
+        --reserved_;
+    }
     // Counts one more operation that owes a final CQE; finish_operation() when it arrives.
     // Operations are work: run() does not return while one is in flight.
-    void start_operation() noexcept { ++in_flight_; }
-    void finish_operation() noexcept { --in_flight_; }
+    void start_operation() noexcept {
+        ++in_flight_;
+    }
+    void finish_operation() noexcept {
+        --in_flight_;
+    }
     // A long-lived request that is not work by itself (the multishot poll of a poll_stream or
     // a completion channel): run() may return while it is armed, but the destructor still
     // reaps its last CQE. The coroutines waiting on it are work: add_waiter() / remove_waiter().
-    void start_background() noexcept { ++background_; }
-    void finish_background() noexcept { --background_; }
-    void add_waiter() noexcept { ++waiting_; }
-    void remove_waiter() noexcept { --waiting_; }
+    void start_background() noexcept {
+        ++background_;
+    }
+    void finish_background() noexcept {
+        --background_;
+    }
+    void add_waiter() noexcept {
+        ++waiting_;
+    }
+    void remove_waiter() noexcept {
+        --waiting_;
+    }
     // Teardown work (teardown_in_flight()) begins / ends: counted apart, not work for run().
-    void start_teardown() noexcept { ++teardown_; }
-    void end_teardown() noexcept { --teardown_; }
+    void start_teardown() noexcept {
+        ++teardown_;
+    }
+    void end_teardown() noexcept {
+        --teardown_;
+    }
     // Queues a coroutine to be resumed after the current CQE batch. Never resumes inline.
-    void ready(std::coroutine_handle<> h) { ready_.push_back(h); }
+    void ready(std::coroutine_handle<> h) {
+        ready_.push_back(h);
+    }
     // Asks the kernel to cancel the request whose user_data is `op` (its CQE still arrives).
     void cancel(detail::operation* op);
     // Hands `node` to the context's thread; thread-safe and allocation-free.
@@ -238,10 +265,18 @@ class io_context {
     // Sources whose pollers have a priority other than 0 (a channel with
     // channel_options::priority): while any exists, an event source does its work in the poller
     // phase, in priority order, never earlier in the CQE loop (channel_state's fast path).
-    void add_prioritized_source() noexcept { ++prioritized_sources_; }
-    void remove_prioritized_source() noexcept { --prioritized_sources_; }
-    bool has_prioritized_sources() const noexcept { return prioritized_sources_ != 0; }
-    io_uring* native_ring() noexcept { return &ring_; }
+    void add_prioritized_source() noexcept {
+        ++prioritized_sources_;
+    }
+    void remove_prioritized_source() noexcept {
+        --prioritized_sources_;
+    }
+    bool has_prioritized_sources() const noexcept {
+        return prioritized_sources_ != 0;
+    }
+    io_uring* native_ring() noexcept {
+        return &ring_;
+    }
 
     friend struct detail::spawned_promise;
     template <typename T>
