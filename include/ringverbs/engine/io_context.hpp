@@ -70,6 +70,18 @@ struct io_context_options {
 namespace detail {
 struct spawned_promise;
 class io_context_access;
+
+// What io_uring_get_sqe does to the slot it hands out, for io_context::get_sqe's own fast path:
+// from liburing 2.6 it clears the fields its prep helpers no longer write (flags, ioprio,
+// rw_flags...), or a reused slot would keep, say, a timed request's IOSQE_IO_LINK; before 2.6
+// the prep helpers write every field and there is nothing to do.
+inline void initialize_sqe([[maybe_unused]] io_uring_sqe* sqe) noexcept {
+#if defined(IO_URING_VERSION_MAJOR) &&                                                             \
+    (IO_URING_VERSION_MAJOR > 2 || (IO_URING_VERSION_MAJOR == 2 && IO_URING_VERSION_MINOR >= 6))
+    io_uring_initialize_sqe(sqe);
+#endif
+}
+
 template <typename T>
 struct root_promise;
 } // namespace detail
@@ -192,12 +204,7 @@ class io_context {
         if (sq.ring_entries - (tail - *sq.khead) >= reserve + reserved_) [[likely]] {
             sq.sqe_tail = tail + 1;
             io_uring_sqe* sqe = &sq.sqes[tail & sq.ring_mask];
-#if defined(IO_URING_VERSION_MAJOR) &&                                                             \
-    (IO_URING_VERSION_MAJOR > 2 || (IO_URING_VERSION_MAJOR == 2 && IO_URING_VERSION_MINOR >= 6))
-            // From liburing 2.6 io_uring_get_sqe clears the fields its prep helpers no longer
-            // write (flags, ioprio, rw_flags...): a reused slot would keep, say, an IO_LINK.
-            io_uring_initialize_sqe(sqe);
-#endif
+            detail::initialize_sqe(sqe);
             return sqe;
         }
         return get_sqe_after_room(reserve);
@@ -216,43 +223,23 @@ class io_context {
         --reserved_;
         return io_uring_get_sqe(&ring_);
     }
-    void release_reserved_sqe() noexcept {
-        --reserved_;
-    }
+    void release_reserved_sqe() noexcept { --reserved_; }
     // Counts one more operation that owes a final CQE; finish_operation() when it arrives.
     // Operations are work: run() does not return while one is in flight.
-    void start_operation() noexcept {
-        ++in_flight_;
-    }
-    void finish_operation() noexcept {
-        --in_flight_;
-    }
+    void start_operation() noexcept { ++in_flight_; }
+    void finish_operation() noexcept { --in_flight_; }
     // A long-lived request that is not work by itself (the multishot poll of a poll_stream or
     // a completion channel): run() may return while it is armed, but the destructor still
     // reaps its last CQE. The coroutines waiting on it are work: add_waiter() / remove_waiter().
-    void start_background() noexcept {
-        ++background_;
-    }
-    void finish_background() noexcept {
-        --background_;
-    }
-    void add_waiter() noexcept {
-        ++waiting_;
-    }
-    void remove_waiter() noexcept {
-        --waiting_;
-    }
+    void start_background() noexcept { ++background_; }
+    void finish_background() noexcept { --background_; }
+    void add_waiter() noexcept { ++waiting_; }
+    void remove_waiter() noexcept { --waiting_; }
     // Teardown work (teardown_in_flight()) begins / ends: counted apart, not work for run().
-    void start_teardown() noexcept {
-        ++teardown_;
-    }
-    void end_teardown() noexcept {
-        --teardown_;
-    }
+    void start_teardown() noexcept { ++teardown_; }
+    void end_teardown() noexcept { --teardown_; }
     // Queues a coroutine to be resumed after the current CQE batch. Never resumes inline.
-    void ready(std::coroutine_handle<> h) {
-        ready_.push_back(h);
-    }
+    void ready(std::coroutine_handle<> h) { ready_.push_back(h); }
     // Asks the kernel to cancel the request whose user_data is `op` (its CQE still arrives).
     void cancel(detail::operation* op);
     // Hands `node` to the context's thread; thread-safe and allocation-free.
@@ -265,18 +252,10 @@ class io_context {
     // Sources whose pollers have a priority other than 0 (a channel with
     // channel_options::priority): while any exists, an event source does its work in the poller
     // phase, in priority order, never earlier in the CQE loop (channel_state's fast path).
-    void add_prioritized_source() noexcept {
-        ++prioritized_sources_;
-    }
-    void remove_prioritized_source() noexcept {
-        --prioritized_sources_;
-    }
-    bool has_prioritized_sources() const noexcept {
-        return prioritized_sources_ != 0;
-    }
-    io_uring* native_ring() noexcept {
-        return &ring_;
-    }
+    void add_prioritized_source() noexcept { ++prioritized_sources_; }
+    void remove_prioritized_source() noexcept { --prioritized_sources_; }
+    bool has_prioritized_sources() const noexcept { return prioritized_sources_ != 0; }
+    io_uring* native_ring() noexcept { return &ring_; }
 
     friend struct detail::spawned_promise;
     template <typename T>
