@@ -167,28 +167,24 @@ void qp_state::move_to(ibv_qp_state state) {
                                                       ")");
 }
 
-void qp_state::to_error() noexcept {
-    if (!in_error) {
-        try {
-            move_to(IBV_QPS_ERR);
-        } catch (const std::exception& e) {
-            // The flush timer still ends what is owed.
-            detail::diagnose("%s", e.what());
-        }
-        in_error = true;
+void qp_state::enter_error() noexcept {
+    if (in_error) return;
+    try {
+        move_to(IBV_QPS_ERR);
+    } catch (const std::exception& e) {
+        // The flush watch still ends what is owed.
+        detail::diagnose("%s", e.what());
     }
+    in_error = true;
+}
+
+void qp_state::to_error() noexcept {
+    enter_error();
     watch_flush();
 }
 
 void qp_state::to_error_in_poll() noexcept {
-    if (!in_error) {
-        try {
-            move_to(IBV_QPS_ERR);
-        } catch (const std::exception& e) {
-            detail::diagnose("%s", e.what());
-        }
-        in_error = true;
-    }
+    enter_error();
     if (watch_deferred) return;
     watch_deferred = true;
     // Run at the end of the channel's service pass (queued here: the at-once path has none),

@@ -476,6 +476,9 @@ struct qp_state {
     // bounded flush. Never throws: a failure goes to the diagnostics sink, and the flush
     // timer then ends what is owed.
     void to_error() noexcept;
+    // to_error's first half: moves the QP to ERR unless we did already (a failure goes to
+    // the diagnostics sink); in_error from then on.
+    void enter_error() noexcept;
     // to_error from a completion handler, inside a poll of the QP's CQs (drain_cq): the
     // flush watch runs after the poll (channel_state::deferred_watches), since its fallback
     // (reset(): no SQE for the timer, or the io_context shutting down) polls those CQs and
