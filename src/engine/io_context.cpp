@@ -458,7 +458,8 @@ void io_context::submit_and_reap(bool wait, bool spinning) {
 std::size_t io_context::resume_ready() {
     // Resume only what was ready at the start: a coroutine that makes another ready (or
     // itself, by yielding) lets this turn end and the ring be looked at again.
-    if (ready_.size() == 1) { // the common turn, without the swap
+    if (ready_.empty()) return 0; // a spinning turn that found nothing
+    if (ready_.size() == 1) {     // the common turn, without the swap
         const std::coroutine_handle<> h = ready_.front();
         ready_.clear();
         h.resume();
@@ -472,7 +473,7 @@ std::size_t io_context::resume_ready() {
     return n;
 }
 
-void io_context::queue_poller(detail::poller* p) noexcept {
+void io_context::queue_poller_in_order(detail::poller* p) noexcept {
     if (p->queued) return;
     p->queued = true;
     detail::poller** at = &pollers_;
@@ -529,9 +530,10 @@ struct running_scope {
 [[gnu::always_inline]] inline std::size_t io_context::turn(bool block) {
     drain_remote();
     const bool spinning = pollers_ != nullptr;
-    bool wait = block && ready_.empty() && !spinning && !stopped() &&
+    const bool ready_empty = ready_.empty();
+    bool wait = block && !spinning && ready_empty && !stopped() &&
                 remote_head_.load(std::memory_order_relaxed) == nullptr;
-    submit_and_reap(wait, spinning || !ready_.empty());
+    submit_and_reap(wait, spinning || !ready_empty);
     drain_remote();
     run_pollers();
     std::size_t n = resume_ready();

@@ -247,7 +247,18 @@ class io_context {
     // Runs `p` in this turn (or the next, if this turn's pollers already ran), in priority
     // order. Queuing a queued poller does nothing. While a poller is queued the loop does not
     // sleep: a poller that spins (busy polling) re-queues itself every turn.
-    void queue_poller(detail::poller* p) noexcept;
+    void queue_poller(detail::poller* p) noexcept {
+        // Inline when the list is empty (run_pollers took it): a spinning poller queuing
+        // itself again every turn.
+        if (pollers_ == nullptr && !p->queued) {
+            p->queued = true;
+            p->next = nullptr;
+            pollers_ = p;
+            return;
+        }
+        queue_poller_in_order(p);
+    }
+    void queue_poller_in_order(detail::poller* p) noexcept;
     void dequeue_poller(detail::poller* p) noexcept;
     // Sources whose pollers have a priority other than 0 (a channel with
     // channel_options::priority): while any exists, an event source does its work in the poller

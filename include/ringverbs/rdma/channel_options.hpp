@@ -78,7 +78,7 @@ struct channel_options {
     // Events are acked per CQ once this many are unacked (ibv_ack_cq_events takes a mutex),
     // and always all of them before the CQ is destroyed.
     std::uint32_t ack_batch = 64;
-    // Completions fetched per ibv_poll_cq call (0 is taken as 1).
+    // Completions fetched per ibv_poll_cq call (0 is taken as 1, more than 64 as 64).
     unsigned poll_batch = 32;
     // hybrid, adaptive spin: when longer than hybrid_spin, the window adapts between the two.
     // A completion that wakes the channel within hybrid_spin_max of the one before (the peer

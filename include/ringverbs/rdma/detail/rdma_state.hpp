@@ -227,6 +227,7 @@ struct channel_state {
     void start_spin() noexcept;
     std::size_t poll_all() noexcept;
     void busy_pass() noexcept;
+    static void busy_service(poller* p) noexcept; // busy: the service poller's function
     void spin_pass(std::size_t found) noexcept;
     void end_spin(std::chrono::steady_clock::time_point now) noexcept;
     std::size_t rearm_unarmed() noexcept;
