@@ -416,14 +416,20 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
 }
 
 // No poll is under way: the QPs a handler moved to the error state during one start their
-// flush watch now, which may end what they owe at once (reset(), polling their CQs again).
+// flush watch now, which may end what they owe at once (reset(), polling their CQs again, and
+// running this list after). Inside such a reset the loop already under way takes what its
+// polls listed: one after another, not each watch inside the one before (the stack would grow
+// with the number of QPs listed).
 void channel_state::run_deferred_watches() noexcept {
+    if (running_deferred_watches) return;
+    running_deferred_watches = true;
     while (qp_state* q = deferred_watches) {
         deferred_watches = q->deferred_next;
         q->deferred_next = nullptr;
         q->watch_deferred = false;
         q->watch_flush();
     }
+    running_deferred_watches = false;
 }
 
 // One service pass, in the io_context's poller phase (after the CQEs of this turn, before

@@ -323,8 +323,10 @@ void qp_state::reset(std::uint32_t made_up) noexcept {
     }
     in_error = false; // RESET now; connecting it again is the user's
     // A violation the polls above found (to_error_in_poll) has its flush watch now (an
-    // io_context shutting down runs no service pass that would). After the made-up ends: this
-    // QP, if listed, owes nothing and arms no timer (which ~qp_state's reset would outlive).
+    // io_context shutting down runs no service pass that would), or just after, when this
+    // reset is itself a listed watch's (the list's run under way takes it). After the made-up
+    // ends: this QP, if listed, owes nothing and arms no timer (which ~qp_state's reset would
+    // outlive).
     send_cq->channel->run_deferred_watches_if_any();
     recv_cq->channel->run_deferred_watches_if_any();
 }

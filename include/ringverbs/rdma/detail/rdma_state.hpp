@@ -201,6 +201,7 @@ struct channel_state {
     // the service pass (queued for it when the poll was the at-once path's) or after the
     // polls of a reset() or an srq's end (intrusive through qp_state::deferred_next).
     qp_state* deferred_watches = nullptr;
+    bool running_deferred_watches = false; // run_deferred_watches is under way
 
     channel_state(io_context& c, const verbs::context& dev, const channel_options& o);
     ~channel_state();
