@@ -309,25 +309,20 @@ void channel_state::fail(int err) noexcept {
     // Nothing of the QPs on these CQs can be read any more: what they owe ends now, and their
     // posts are refused; with an srq that one of these CQs serves, every QP on it and what it
     // owes (qp_state and srq_state's cut off). Every one is marked before any is reset, since
-    // a reset polls CQs that others may share. A QP with a CQ of another io_context (rare) is
-    // not touched from here: its waits end by their own deadlines.
-    const auto ours = [this](const qp_state& q) {
-        return q.ctx == ctx && q.recv_cq->channel->ctx == ctx; // send_cq's: q.ctx
-    };
+    // a reset polls CQs that others may share. Every one is of this loop: a QP's two CQs, and
+    // its srq, belong to one io_context (the qp_state constructor).
     for (cq_state* c : cqs)
-        for (qp_state* q : c->qps)
-            if (ours(*q)) {
-                q->mark_cut_off(err);
-                // Its receives complete on a CQ of this channel: the srq's qps, all of this
-                // loop, whichever CQs they use.
-                if (q->srq && q->recv_cq->channel.get() == this) q->srq->mark_cut_off(err);
-            }
+        for (qp_state* q : c->qps) {
+            q->mark_cut_off(err);
+            // Its receives complete on a CQ of this channel: the srq's qps, all of this loop,
+            // whichever CQs they use.
+            if (q->srq && q->recv_cq->channel.get() == this) q->srq->mark_cut_off(err);
+        }
     for (cq_state* c : cqs)
-        for (qp_state* q : c->qps)
-            if (ours(*q)) {
-                if (q->srq) q->srq->finish_cut_off();
-                q->finish_cut_off();
-            }
+        for (qp_state* q : c->qps) {
+            if (q->srq) q->srq->finish_cut_off();
+            q->finish_cut_off();
+        }
 }
 
 void channel_state::fall_back(int err, bool transient) noexcept {

@@ -24,16 +24,17 @@ void lose_qp(qp_state& q, const char* cause) noexcept {
     // RESET makes sure nothing it holds completes after the made-up ends.
     q.reset(device_lost_vendor_err);
     q.in_error = true; // posts take the slow path, which refuses them
-    // Its CQs too, now (when this thread's): whoever resumes next finds them all marked.
-    if (q.send_cq->channel->ctx == q.ctx) lose_cq(*q.send_cq, cause);
-    if (q.recv_cq->channel->ctx == q.ctx) lose_cq(*q.recv_cq, cause);
+    // Its CQs too, now (of this thread, as a QP's CQs always are): whoever resumes next finds
+    // them all marked.
+    lose_cq(*q.send_cq, cause);
+    lose_cq(*q.recv_cq, cause);
 }
 
 void lose_cq(cq_state& c, const char* cause) noexcept {
     if (c.lost) return;
     c.lost = cause;
     for (qp_state* q : c.qps)
-        if (q->ctx == c.channel->ctx) lose_qp(*q, cause); // another thread's: told there
+        lose_qp(*q, cause); // of this thread: a QP's CQs belong to one io_context
     c.error = ENODEV;
     c.fail_waiters(ENODEV);
 }
@@ -42,9 +43,8 @@ void lose_srq(srq_state& s, const char* cause) noexcept {
     if (s.lost) return;
     s.lost = cause;
     s.error = ENODEV;
-    s.end_everything(ENODEV, device_lost_vendor_err, [&s, cause](qp_state& q) {
-        if (q.ctx == s.ctx) lose_qp(q, cause);
-    });
+    // Its qps are of this thread (the qp_state constructor refuses an srq of another).
+    s.end_everything(ENODEV, device_lost_vendor_err, [cause](qp_state& q) { lose_qp(q, cause); });
 }
 
 // Posts `lose` for one object to `owner`; it runs there only if the object is still the one

@@ -57,9 +57,15 @@ qp_state::qp_state(std::shared_ptr<cq_state> scq, std::shared_ptr<cq_state> rcq,
                    std::chrono::nanoseconds timeout, bool overcommit)
     : send_cq(std::move(scq)), recv_cq(std::move(rcq)), srq(std::move(shared)), qp(std::move(q)),
       ctx(send_cq->channel->ctx), flush_timeout(timeout) {
+    // A QP is served by one loop: its completions, posts, flush timer and teardown touch its
+    // owed-request list, and the channel lists a violation puts it on, without a lock.
+    if (send_cq->channel->ctx != recv_cq->channel->ctx)
+        throw_system_error(EINVAL, "qp: its send CQ and its receive CQ belong to two "
+                                   "io_contexts; a QP is served by one loop (one thread): give "
+                                   "it CQs of channels of one io_context");
     // An srq and its qps are served by one loop: a device's loss, an SRQ limit event and the
     // srq's own bookkeeping act on both without a lock.
-    if (srq && (srq->ctx != ctx || srq->ctx != recv_cq->channel->ctx))
+    if (srq && srq->ctx != ctx)
         throw_system_error(EINVAL, "qp: the srq (qp_options::shared_receive_queue) belongs to "
                                    "another io_context than the qp's CQs");
     // Nothing of a QP on a failed channel's CQ could be read (channel_state::fail).

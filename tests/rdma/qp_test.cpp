@@ -40,6 +40,31 @@ TEST_CASE("send and recv: each await resumes with its own completion, payload in
     CHECK(lp.b.pending() == 0);
 }
 
+// A QP's completions, posts and teardown are served by one loop: its owed-request list, its
+// flush timer and the channel lists a violation puts it on are touched without a lock. Send
+// and receive CQs of two io_contexts (two threads) would race on them.
+TEST_CASE("a qp whose send and receive CQs belong to two io_contexts is refused: EINVAL "
+          "naming them") {
+    device dev;
+    io_context here, there;
+    channel ch_here(here, dev.ctx), ch_there(there, dev.ctx);
+    cq cq_here(ch_here), cq_there(ch_there);
+    for (const bool send_here : {true, false}) {
+        CAPTURE(send_here);
+        bool refused = false;
+        try {
+            qp q(dev.pd, send_here ? cq_here : cq_there, send_here ? cq_there : cq_here);
+        } catch (const std::system_error& e) {
+            MESSAGE(std::string(e.what()));
+            refused = errc_of(e) == std::errc::invalid_argument &&
+                      std::string(e.what()).find("io_context") != std::string::npos;
+        }
+        CHECK(refused);
+    }
+    qp fine(dev.pd, cq_here, cq_here); // one io_context: made
+    CHECK(fine.native_qp().native() != nullptr);
+}
+
 TEST_CASE("send with immediate data, inline and solicited" *
           doctest::test_suite(ringverbs::test::ib_roce_only)) {
     device dev;

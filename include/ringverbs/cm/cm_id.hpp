@@ -226,7 +226,8 @@ class cm_id {
     // with the cqs (whose channel must be on device() too), moved through its states by
     // connect / accept_connection, destroyed by rdma_destroy_qp once nothing is owed. The qp
     // keeps the id's state alive; this handle may go first. Throws std::system_error naming
-    // rdma_create_qp, or as qp's constructor (EINVAL: overcommitted cqs).
+    // rdma_create_qp, or as qp's constructor (EINVAL: overcommitted cqs, or cqs of two
+    // io_contexts).
     qp make_qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
                const verbs::qp_caps& caps = {}, qp_options options = {});
     // The bare verbs QP for this id (rdma_create_qp on `pd` with the given CQs; destroyed by

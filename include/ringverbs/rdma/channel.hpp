@@ -52,12 +52,11 @@ class channel {
     // 0 while the channel works; else the errno that ended it (the fd's poll or
     // ibv_get_cq_event or a ring read of the fd failed; ring reads short of memory for 1000
     // tries in a row switch to event_read::syscall instead): no event of its CQs is read any
-    // more, for good, and their next() waits fail with that errno. The qps on those CQs (of
-    // this channel's io_context) are reset: what they owe ends now with std::system_error of
-    // that errno ("a completion channel of its QP's CQs failed"), and later posts are refused
-    // with it. So is an srq one of those CQs receives for, with every qp on it, and a new qp
-    // on those CQs or that srq is refused. A qp with a CQ of another io_context ends its waits
-    // by their own deadlines.
+    // more, for good, and their next() waits fail with that errno. The qps on those CQs are
+    // reset: what they owe ends now with std::system_error of that errno ("a completion
+    // channel of its QP's CQs failed"), and later posts are refused with it. So is an srq one
+    // of those CQs receives for, with every qp on it, and a new qp on those CQs or that srq is
+    // refused.
     int error() const noexcept { return state_->error; }
 
   private:

@@ -120,13 +120,15 @@ class qp {
     class close_awaitable;
 
     // Throws std::system_error naming ibv_create_qp, or EINVAL when the CQs would be
-    // overcommitted (see qp_options::allow_cq_overcommit).
+    // overcommitted (see qp_options::allow_cq_overcommit), or when send_cq and recv_cq (or
+    // the srq) belong to two io_contexts: a QP is served by one loop, one thread.
     qp(const verbs::protection_domain& pd, cq& send_cq, cq& recv_cq,
        const verbs::qp_caps& caps = {}, qp_options options = {});
     // Adopts an RC QP created elsewhere on these CQs (its send_cq and recv_cq are
     // send_cq.native() and recv_cq.native(), else EINVAL), e.g. by rdma_create_qp:
     // cm_id::make_qp (<ringverbs/cm/cm_id.hpp>) is the way in for a connection. `adopted`'s
-    // deleter destroys it once nothing is owed.
+    // deleter destroys it once nothing is owed. Throws as the constructor above, but for
+    // ibv_create_qp.
     qp(verbs::queue_pair adopted, cq& send_cq, cq& recv_cq, qp_options options = {});
     ~qp();
     qp(const qp&) = delete;
