@@ -1,6 +1,7 @@
 #include "fd.hpp"
 #include "uring_faults.hpp"
 
+#include <ringverbs/engine/detail/stop_gate.hpp>
 #include <ringverbs/engine/detail/uring_hooks.hpp>
 #include <ringverbs/engine/diagnostics.hpp>
 #include <ringverbs/engine/file_io.hpp>
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -562,4 +564,62 @@ TEST_CASE("get_sqe hands out a reused slot that a prep helper leaves without the
         }
         io.run_once(false); // submits them: the kernel ends each at once
     }
+}
+
+// stop_gate (detail), under every wait with a stop_token: a gate armed again after a stop won
+// its first wait starts clean. A stop request for the second wait reaches its owner, and the
+// second wait is not taken as stopped before any request (before: state_ stayed stop_queued,
+// so the second request's compare-exchange failed and was lost, and stop_won() said true).
+TEST_CASE("stop_gate: armed again after a stop won, the new wait's stop request reaches its "
+          "owner and nothing of the first wait's outcome is left") {
+    io_context io;
+    struct owner {
+        int stops = 0;
+        int resumes = 0;
+    } o;
+    const auto on_stop = [](void* p) noexcept {
+        ++static_cast<owner*>(p)->stops;
+        return true; // finished by the stop (a waiter taken off its queue)
+    };
+    const auto on_resume = [](void* p) noexcept { ++static_cast<owner*>(p)->resumes; };
+    ringverbs::detail::stop_gate gate;
+    for (int round = 1; round <= 2; ++round) {
+        CAPTURE(round);
+        std::stop_source source;
+        gate.arm(io, source.get_token(), &o, on_stop, on_resume);
+        CHECK_FALSE(gate.stop_won());
+        source.request_stop();
+        CHECK(gate.stop_won());
+        io.run_once(false); // the stop's node runs on the context's thread
+        CHECK(o.stops == round);
+        CHECK(o.resumes == round);
+        gate.disarm();
+    }
+    // A wait without a stop_token after one a stop won: not taken as stopped.
+    gate.arm(io, std::stop_token{}, &o, on_stop, on_resume);
+    CHECK(gate.finish());
+    CHECK_FALSE(gate.stop_won());
+    gate.disarm();
+    // A wait that finishes first: it may resume at once, and a late request does nothing.
+    {
+        std::stop_source source;
+        gate.arm(io, source.get_token(), &o, on_stop, on_resume);
+        CHECK(gate.finish());
+        CHECK_FALSE(gate.stop_won());
+        source.request_stop(); // too late: nothing runs
+        io.run_once(false);
+        CHECK(o.stops == 2);
+        gate.disarm();
+    }
+    // Armed again while the last stop's node is still queued (a misuse): the node is not
+    // queued twice (before: the loop's list would point at itself), and it runs once.
+    std::stop_source first, second;
+    gate.arm(io, first.get_token(), &o, on_stop, on_resume);
+    first.request_stop();
+    gate.arm(io, second.get_token(), &o, on_stop, on_resume);
+    second.request_stop();
+    io.run_once(false);
+    CHECK(o.stops == 3);
+    CHECK(o.resumes == 3);
+    gate.disarm();
 }

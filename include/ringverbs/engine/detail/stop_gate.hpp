@@ -39,9 +39,10 @@ class stop_gate : remote_node {
     // at once, in this call, if stop was already requested.
     void arm(io_context& ctx, const std::stop_token& token, void* owner, on_stop_fn on_stop,
              on_resume_fn on_resume) {
+        // No wait arms twice today; one that did would start clean (start_again).
+        if (armed_ || state_.load(std::memory_order_relaxed) != armed) [[unlikely]]
+            start_again();
         if (!token.stop_possible()) return;
-        if (armed_) [[unlikely]]
-            disarm_armed(); // as std::optional::emplace did: no wait arms twice today
         run = &stop_gate::run_on_context;
         ctx_ = &ctx;
         owner_ = owner;
@@ -88,6 +89,17 @@ class stop_gate : remote_node {
         }
     };
 
+    // Armed again (after a wait that ended, or that is still armed): the last wait's outcome
+    // must not decide this one (its stop_won(), a stop request's compare-exchange). Unless its
+    // stop's node is still queued (the owner is resumed only after it ran, so this is a misuse):
+    // set back then, a second request would push the node twice, so it stays as it was.
+    [[gnu::noinline]] void start_again() noexcept {
+        if (armed_) disarm_armed();
+        if (state_.load(std::memory_order_acquire) == stop_queued && !stop_handled_) return;
+        state_.store(armed, std::memory_order_relaxed);
+        stop_handled_ = false;
+        finished_early_ = false;
+    }
     [[gnu::noinline]] void disarm_armed() noexcept {
         armed_ = false;
         std::launder(reinterpret_cast<callback*>(callback_))->~callback();
