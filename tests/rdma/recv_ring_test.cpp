@@ -382,13 +382,16 @@ struct violation_in_batch {
 TEST_CASE(
     "recv_ring: a violation whose QP's requests end at once (no SQE for the flush timer) while "
     "a second receive of that QP waits in the same poll: each slot completes exactly once, "
-    "the qp owes nothing and closes (both ways of reading events)") {
-    for (const event_read way : {event_read::ring, event_read::syscall}) {
-        const std::string path = to_string(way);
+    "the qp owes nothing and closes (both ways of reading events, and busy polling)") {
+    for (const channel_options& options :
+         {channel_options{.read = event_read::ring}, channel_options{.read = event_read::syscall},
+          channel_options{.mode = polling_mode::busy}}) {
+        const std::string path =
+            options.mode == polling_mode::busy ? "busy" : to_string(options.read);
         CAPTURE(path);
         device dev;
         io_context io;
-        loopback lp{dev, io, channel_options{.read = way}};
+        loopback lp{dev, io, options};
         recv_ring ring(lp.b, dev.pd, 4, 256);
         region out(dev.pd, 2 * 256);
         {
