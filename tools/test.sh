@@ -183,8 +183,9 @@ run_suite engine-gcc build engine
 run_suite consumer-gcc build consumer
 run_suite rdma-gcc build "rdma consumer-rdma hostile" vm
 # show_result NAME RUN cp|mv: prints build/bench-results/NAME.json and keeps it as
-# NAME-RUN.json: the soak's faults.json and faults-syscall.json (tests/rdma/soak_test.cpp, on
-# each way of reading events; copied, README names them) and
+# NAME-RUN.json: the soak's faults.json, faults-syscall.json and faults-busy.json
+# (tests/rdma/soak_test.cpp, on each way of reading events, and with a busy channel; copied,
+# README names them) and
 # the hostile peer's hostile.json (tests/examples/hostile_peer.cpp against each server next to
 # a good client; moved, so that a run without it shows none).
 show_result() {
@@ -198,11 +199,13 @@ show_result() {
 show_result hostile 6.1 mv
 show_result faults 6.1 cp
 show_result faults-syscall 6.1 cp
+show_result faults-busy 6.1 cp
 # The rdma suite again on Debian 13's kernel (6.12), whose rxe differs (sends from a work
 # queue, flushes that 6.1 drops).
 run_suite rdma-gcc-6.12 build rdma vm-6.12
 show_result faults 6.12 cp
 show_result faults-syscall 6.12 cp
+show_result faults-busy 6.12 cp
 # The runtime tests (suite 'runtime': tests/verbs, tests/rdma, tests/cm) on a second provider:
 # Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1, the
 # examples' tests and the hostile peer among them. Cases that need InfiniBand/RoCE or what siw
@@ -210,6 +213,7 @@ show_result faults-syscall 6.12 cp
 run_suite rdma-gcc-siw build runtime vm-siw
 show_result faults siw cp
 show_result faults-syscall siw cp
+show_result faults-busy siw cp
 show_result hostile siw mv
 # Two guests joined by a virtual link (tools/softroce-vm -n 2): echo across hosts, faults on
 # the link (tests/cluster).

@@ -1,14 +1,16 @@
 // The soak: at least a million requests through 8 QPs, 4 CQs and 2 channels (one in events
-// mode, one hybrid) on a real device, with timeouts, stops, QP errors and teardowns mixed in
-// and seeded random faults injected between the runtime and the device (chaos_hooks.hpp).
-// Every request's await must end exactly once, every received byte must be the one sent, no
-// hang (a watchdog prints what is pending), and every resource is released at the end.
+// mode, one hybrid, or busy: RINGVERBS_SOAK_SECOND) on a real device, with timeouts, stops, QP
+// errors and teardowns mixed in and seeded random faults injected between the runtime and the
+// device (chaos_hooks.hpp). Every request's await must end exactly once, every received byte must
+// be the one sent, no hang (a watchdog prints what is pending), and every resource is released at
+// the end.
 //
 //   RINGVERBS_SEED=<n>            reproduce a run (the seed is printed first)
 //   RINGVERBS_SOAK_REQUESTS=<n>   how many requests (default 1,000,000)
 //   RINGVERBS_FAULTS_JSON=<path>  where to write the summary (faults.json)
 //   RINGVERBS_EVENT_READ=<path>   how both channels read their events: ring (default) or
 //                                 syscall (channel_options::read)
+//   RINGVERBS_SOAK_SECOND=<mode>  the second channel's polling mode: hybrid (default) or busy
 #include "chaos_hooks.hpp"
 #include "fault_injection.hpp"
 #include "rdma_fixture.hpp"
@@ -554,7 +556,13 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
     const std::optional<event_read> path =
         parse_event_read(path_env != nullptr && *path_env != 0 ? path_env : "ring");
     REQUIRE_MESSAGE(path.has_value(), "RINGVERBS_EVENT_READ is ring or syscall");
-    std::printf("soak: events read by the %s path\n", to_string(*path));
+    const char* second_env = std::getenv("RINGVERBS_SOAK_SECOND");
+    const std::optional<polling_mode> second_mode =
+        parse_polling_mode(second_env != nullptr && *second_env != 0 ? second_env : "hybrid");
+    REQUIRE_MESSAGE((second_mode == polling_mode::hybrid || second_mode == polling_mode::busy),
+                    "RINGVERBS_SOAK_SECOND is hybrid or busy");
+    std::printf("soak: events read by the %s path; the second channel %s\n", to_string(*path),
+                to_string(*second_mode));
     std::printf("soak: seed %llu (RINGVERBS_SEED=%llu reproduces it), %llu requests\n",
                 static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed),
                 static_cast<unsigned long long>(target));
@@ -578,9 +586,10 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         channel hybrid(
             io, dev.ctx,
             channel_options{
-                .priority = 1, .mode = polling_mode::hybrid, .hybrid_spin = 20us, .read = *path});
+                .priority = 1, .mode = *second_mode, .hybrid_spin = 20us, .read = *path});
         REQUIRE(events.event_path() == *path);
-        REQUIRE(hybrid.event_path() == *path);
+        REQUIRE(hybrid.mode() == *second_mode);
+        if (*second_mode == polling_mode::hybrid) REQUIRE(hybrid.event_path() == *path);
         cq c0(events), c1(events), c2(hybrid), c3(hybrid);
         cq* cqs[] = {&c0, &c1, &c2, &c3};
         soak s(dev, io, seed, target);
@@ -777,7 +786,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         {"cq_overflow", cq_overflows},
     };
     std::string json = "{\"requests\": " + std::to_string(issued) + ", \"event_read\": \"" +
-                       to_string(*path) + "\", \"injected\": {";
+                       to_string(*path) + "\", \"second_channel\": \"" + to_string(*second_mode) +
+                       "\", \"injected\": {";
     for (std::size_t i = 0; i < std::size(kinds); ++i) {
         json += (i ? ", \"" : "\"") + std::string(kinds[i].first) +
                 "\": " + std::to_string(kinds[i].second);
