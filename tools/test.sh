@@ -104,6 +104,13 @@ run_suite() {
     esac
 }
 
+# Before each rdma suite run: a soak that fails before it writes leaves no faults*.json, never
+# the last run's under this run's name (show_result below).
+fresh_results() {
+    rm -f build/bench-results/faults.json build/bench-results/faults-syscall.json \
+        build/bench-results/faults-busy.json
+}
+
 # The closing lines: per suite run, then "tests: N passed, N failed, N skipped".
 summarize() {
     python3 tools/lib/test_summary.py "$logs" || status=1
@@ -181,6 +188,7 @@ run_suite engine-gcc build engine
 # tests/consumer built as a Meson subproject and against a staged meson install through
 # pkg-config (Meson, make, CMake); its binaries then await a real completion in the VM.
 run_suite consumer-gcc build consumer
+fresh_results
 run_suite rdma-gcc build "rdma consumer-rdma hostile" vm
 # show_result NAME RUN cp|mv: prints build/bench-results/NAME.json and keeps it as
 # NAME-RUN.json: the soak's faults.json, faults-syscall.json and faults-busy.json
@@ -202,6 +210,7 @@ show_result faults-syscall 6.1 cp
 show_result faults-busy 6.1 cp
 # The rdma suite again on Debian 13's kernel (6.12), whose rxe differs (sends from a work
 # queue, flushes that 6.1 drops).
+fresh_results
 run_suite rdma-gcc-6.12 build rdma vm-6.12
 show_result faults 6.12 cp
 show_result faults-syscall 6.12 cp
@@ -210,6 +219,7 @@ show_result faults-busy 6.12 cp
 # Soft-iWARP (siw, built from Debian's linux-source by tools/lib/build-siw.sh) on 6.1, the
 # examples' tests and the hostile peer among them. Cases that need InfiniBand/RoCE or what siw
 # lacks are listed as skipped there (or not applicable), with the reason.
+fresh_results
 run_suite rdma-gcc-siw build runtime vm-siw
 show_result faults siw cp
 show_result faults-syscall siw cp

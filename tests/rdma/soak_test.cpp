@@ -5,7 +5,7 @@
 // be the one sent, no hang (a watchdog prints what is pending), and every resource is released at
 // the end.
 //
-//   RINGVERBS_SEED=<n>            reproduce a run (the seed is printed first)
+//   RINGVERBS_SEED=<n>            reproduce a run (printed first, with the settings below)
 //   RINGVERBS_SOAK_REQUESTS=<n>   how many requests (default 1,000,000)
 //   RINGVERBS_FAULTS_JSON=<path>  where to write the summary (faults.json)
 //   RINGVERBS_EVENT_READ=<path>   how both channels read their events: ring (default) or
@@ -563,9 +563,16 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                     "RINGVERBS_SOAK_SECOND is hybrid or busy");
     std::printf("soak: events read by the %s path; the second channel %s\n", to_string(*path),
                 to_string(*second_mode));
-    std::printf("soak: seed %llu (RINGVERBS_SEED=%llu reproduces it), %llu requests\n",
-                static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed),
-                static_cast<unsigned long long>(target));
+    // The whole setting, so that the line reproduces this run, not the default one.
+    char reproduce[200];
+    std::snprintf(reproduce, sizeof reproduce,
+                  "RINGVERBS_SEED=%llu RINGVERBS_EVENT_READ=%s RINGVERBS_SOAK_SECOND=%s "
+                  "RINGVERBS_SOAK_REQUESTS=%llu",
+                  static_cast<unsigned long long>(seed), to_string(*path), to_string(*second_mode),
+                  static_cast<unsigned long long>(target));
+    std::printf("soak: seed %llu, %llu requests (%s reproduces it)\n",
+                static_cast<unsigned long long>(seed), static_cast<unsigned long long>(target),
+                reproduce);
     std::fflush(stdout);
     const int qps_before = kernel_qps_of_this_process();
     int qps_during = -1;
@@ -583,14 +590,14 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
         // Small rings: the submission ring fills up, timer bursts overflow the completion ring.
         io_context io(io_context_options{.sq_entries = 8, .cq_entries = 16});
         channel events(io, dev.ctx, channel_options{.mode = polling_mode::events, .read = *path});
-        channel hybrid(
+        channel second(
             io, dev.ctx,
             channel_options{
                 .priority = 1, .mode = *second_mode, .hybrid_spin = 20us, .read = *path});
         REQUIRE(events.event_path() == *path);
-        REQUIRE(hybrid.mode() == *second_mode);
-        if (*second_mode == polling_mode::hybrid) REQUIRE(hybrid.event_path() == *path);
-        cq c0(events), c1(events), c2(hybrid), c3(hybrid);
+        REQUIRE(second.mode() == *second_mode);
+        if (*second_mode == polling_mode::hybrid) REQUIRE(second.event_path() == *path);
+        cq c0(events), c1(events), c2(second), c3(second); // busy: c2 and c3 arm nothing
         cq* cqs[] = {&c0, &c1, &c2, &c3};
         soak s(dev, io, seed, target);
         std::vector<std::unique_ptr<pair_state>> ps;
@@ -625,10 +632,9 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                     last_change = std::chrono::steady_clock::now();
                 } else if (std::chrono::steady_clock::now() - last_change > 30s) {
                     std::fprintf(stderr,
-                                 "soak: HANG (seed %llu): %llu requests posted, %llu ended; "
+                                 "soak: HANG (%s): %llu requests posted, %llu ended; "
                                  "no progress for 30 s\n",
-                                 static_cast<unsigned long long>(seed),
-                                 static_cast<unsigned long long>(s.t.issued.load()),
+                                 reproduce, static_cast<unsigned long long>(s.t.issued.load()),
                                  static_cast<unsigned long long>(e));
                     // Read from another thread while the loop is stuck: good enough to say
                     // where it is stuck.
@@ -674,12 +680,13 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                     std::fprintf(stderr,
                                  "soak:   completions held by faults: %zu; io waiters %zu, "
                                  "in flight %zu; channels: events armed/fired %llu/%llu, "
-                                 "hybrid %llu/%llu, spin %d\n",
+                                 "%s %llu/%llu, spin %d\n",
                                  chaos_hooks::held(), io.waiters(), io.operations_in_flight(),
                                  (unsigned long long)events.counters().arms,
                                  (unsigned long long)events.counters().events,
-                                 (unsigned long long)hybrid.counters().arms,
-                                 (unsigned long long)hybrid.counters().events, 0);
+                                 to_string(*second_mode),
+                                 (unsigned long long)second.counters().arms,
+                                 (unsigned long long)second.counters().events, 0);
                     // Where each thread is (its kernel stack; gdb's backtraces, bounded).
                     watchdog::where_each_thread_waits();
                     std::abort();
