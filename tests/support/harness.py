@@ -80,7 +80,12 @@ class Server:
             if self.proc.poll() is not None:
                 raise Failure(f"server exited ({self.proc.returncode}) before '{pattern}':\n{self.text()}")
             time.sleep(self.interval)
-        raise Failure(f"server: no '{pattern}' (x{count}) within {timeout}s:\n{self.text()}")
+        # The first line is what a test's summary and CI's excerpt show: how many were found,
+        # and the log's last lines (a close for another reason says itself there).
+        text = self.text()
+        last = " | ".join(text.strip().splitlines()[-3:])[-600:]
+        raise Failure(f"server: no '{pattern}' (x{count}; {len(re.findall(pattern, text))} found) within "
+                      f"{timeout}s; its last lines: {last}\n{text}")
 
     def stop(self, sig=signal.SIGTERM, timeout=30, backtrace=True):
         """Sends `sig` (unless it ended already) and gives its exit status; if it does not end
