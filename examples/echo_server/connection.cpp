@@ -116,7 +116,7 @@ task<void> connection::echo_loop(std::uint32_t slot) {
     // the reason.
     if (end.explainable && !closing_) {
         if (watching_) {
-            cut_off(std::move(end.why));
+            cut_off(std::move(end.why), end.grace);
             co_return;
         }
         if (id_.is_disconnected()) end.why = "the client disconnected";
@@ -135,7 +135,8 @@ connection::loop_end connection::ended_by(const std::exception_ptr& error, reque
     } catch (const completion_error& e) {
         // A failed echo send, or a flush another request's failure caused (cut_off()).
         return {failure(current, e.status()),
-                current == request::echo_send || e.status() == IBV_WC_WR_FLUSH_ERR};
+                current == request::echo_send || e.status() == IBV_WC_WR_FLUSH_ERR,
+                grace_after(e.status())};
     } catch (const std::system_error& e) {
         // The bounded flush (qp_options::flush_timeout) ended it: the device never flushed it.
         // Counted once the connection is closing or the client's disconnect was seen (--no-srq:
@@ -145,8 +146,10 @@ connection::loop_end connection::ended_by(const std::exception_ptr& error, reque
         // ibv_post_*, named with its errno; or cancelled by the server's stop. A post the QP
         // refused because it already failed (siw: ENOTCONN once the client's stream ended) is
         // explainable.
-        return {e.what(), !closing_ && e.code() != std::errc::operation_canceled &&
-                              (!never_flushed || disconnect_seen_)};
+        return {e.what(),
+                !closing_ && e.code() != std::errc::operation_canceled &&
+                    (!never_flushed || disconnect_seen_),
+                e.code() == std::errc::not_connected ? 30s : 10s};
     }
 }
 
@@ -186,10 +189,9 @@ task<void> connection::watch_disconnect() {
     }
     if (!gone && cut_off_ && !closing_) {
         // An echo cut off in flight (a client killed mid-stream; on iWARP its QP fails as the
-        // stream ends): the client's end if its DISCONNECTED comes within the grace. Not 2 s:
-        // siw in a loaded 2-vCPU guest delivered it later (echo_test's killed_client_reason,
-        // beside the hostile test). The server's stop ends the grace.
-        const wait_options grace(10s, server_.stopping.get_token());
+        // stream ends): the client's end if its DISCONNECTED comes within the grace
+        // (grace_after). The server's stop ends it.
+        const wait_options grace(grace_, server_.stopping.get_token());
         if ((co_await nothrow(id_.disconnected(grace))).ok()) {
             co_await close("the client disconnected (a request was cut off in flight)");
             co_return;
@@ -246,10 +248,24 @@ void connection::fail(std::string why) {
 // error while its kernel tears it down: seen on rxe) or RETRY_EXC (gone), and on iWARP a send
 // being transmitted when the stream ended completes with LOC_QP_OP_ERR, not a flush (siw gives
 // that status to any failed send). A flush is one too: another request's failure caused it.
-void connection::cut_off(std::string why) {
+void connection::cut_off(std::string why, std::chrono::seconds grace) {
     if (closing_ || failure_) return;
     cut_off_ = true;
+    grace_ = grace;
     fail(std::move(why));
+}
+
+// How long a connection cut off with `status` waits for the client's DISCONNECTED. 30 s when
+// the connection's own end raised the failure: on iWARP a send the stream's end cut off
+// (LOC_QP_OP_ERR), the flushes after it, and a post refused with ENOTCONN (ended_by). siw then
+// raises the CM's close itself (siw_qp_cm_drop), so DISCONNECTED comes; only its delivery may be
+// late: more than 10 s once, in a guest loaded by the hostile test and two busy processes
+// (echo_test's max_connections; and once in CI). 10 s for what a peer that stopped answering
+// gives (RETRY_EXC, RNR_RETRY_EXC, a remote error): its DISCONNECTED may never come (a
+// partition: cluster_test), and a longer wait would only hold its slot. Not 2 s: siw in a
+// loaded 2-vCPU guest delivered it later (echo_test's killed_client_reason).
+std::chrono::seconds connection::grace_after(ibv_wc_status status) noexcept {
+    return status == IBV_WC_LOC_QP_OP_ERR || status == IBV_WC_WR_FLUSH_ERR ? 30s : 10s;
 }
 
 // What a failed completion says about the connection.

@@ -35,7 +35,7 @@ class connection {
     }
     // An echo's failed completion: the client's end may explain it (cut_off()).
     void echo_failed(const completion_error& e) {
-        cut_off(std::string("echo send failed: ") + e.what());
+        cut_off(std::string("echo send failed: ") + e.what(), grace_after(e.status()));
     }
 
   private:
@@ -52,9 +52,11 @@ class connection {
     struct loop_end {
         std::string why;
         bool explainable = false;
+        std::chrono::seconds grace{10}; // cut_off()'s, when explainable
     };
     loop_end ended_by(const std::exception_ptr& error, request current);
-    void cut_off(std::string why);
+    void cut_off(std::string why, std::chrono::seconds grace);
+    static std::chrono::seconds grace_after(ibv_wc_status status) noexcept;
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
     qp make_qp();
 
@@ -74,8 +76,9 @@ class connection {
     std::stop_source
         ending_; // requested by close() and fail(): ends the idle and disconnect watches
     std::optional<std::string> failure_; // fail()'s reason
-    bool cut_off_ = false;  // failure_ is an echo cut off in flight: the client's end, if it came
-    bool watching_ = false; // watch_disconnect runs: it closes for a cut_off()
+    bool cut_off_ = false; // failure_ is an echo cut off in flight: the client's end, if it came
+    std::chrono::seconds grace_{10};  // cut_off()'s wait for DISCONNECTED
+    bool watching_ = false;           // watch_disconnect runs: it closes for a cut_off()
     std::uint32_t loops_running_ = 0; // echo loops not ended yet (--no-srq)
     bool disconnect_seen_ = false;    // --no-srq: watch_disconnect saw the client's disconnect
     // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the

@@ -110,6 +110,9 @@ def json_of(stdout):
 
 
 # --- the cases ----------------------------------------------------------------------------
+# A wait for a close's reason gives it 60 s: more than the server's grace (30 s) for the client's
+# DISCONNECTED after an echo send it cut off, which siw in a loaded guest once delivered more
+# than 10 s late (the grace was 10 s then, and the close named the failed send instead).
 
 def case_sixteen_clients():
     """16 connections x 10,000 messages, every byte verified, in one client process."""
@@ -168,7 +171,7 @@ def case_killed_client():
         print(out, end="")
         check(rc == 0, f"the other client failed ({rc})")
         check(verified(out)[0] == 20000, "the other client's messages")
-        s.wait_for(r"closed \(the client disconnected", 30, count=3)
+        s.wait_for(r"closed \(the client disconnected", 60, count=3)
         wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the server's QPs all destroyed")
         check(s.rdma_objects("mr") == 0, "the server's MRs all deregistered")
         check(s.fds() == base_fds, f"server fds {s.fds()}, {base_fds} before")
@@ -202,9 +205,9 @@ def case_killed_client_reason():
                 time.sleep(0.5)
                 c.kill()
                 c.wait()
-                # Within the server's bounds: DISCONNECTED's grace after a send cut off (10 s),
+                # Within the server's bounds: DISCONNECTED's grace after a send cut off (30 s),
                 # the disconnect's (2 s) and the flushes' (5 s).
-                s.wait_for(r"closed \(", 40)
+                s.wait_for(r"closed \(", 60)
                 wrong += [f"{' '.join(args) or 'SRQ'}: {why}" for why in
                           re.findall(r"closed \((.*)\) after \d+ messages", s.text())
                           if not why.startswith("the client disconnected")]
@@ -298,7 +301,7 @@ def case_client_interrupted():
         print(text_of(c), end="")
         check(rc == 130, f"interrupted client exit {rc}")
         check("interrupted after" in text_of(c), "the client says it was interrupted")
-        s.wait_for(r"closed \(the client disconnected", 30)
+        s.wait_for(r"closed \(the client disconnected", 60)
         rc, out, err = client(s.port, "--count", "500")
         check(rc == 0 and verified(out)[0] == 500, "the server serves the next client")
     finally:
@@ -397,7 +400,7 @@ def case_idle_timeout():
         busy.send_signal(signal.SIGINT)
         rc = busy.wait(60)
         check(rc == 130, f"busy client exit {rc}:\n{text_of(busy)}")
-        s.wait_for(r"closed \(the client disconnected", 30)
+        s.wait_for(r"closed \(the client disconnected", 60)
         check(s.text().count("closed (idle") == 1, "only the frozen client closed as idle")
     finally:
         check(s.stop() == 0, "server exit status")
@@ -541,7 +544,7 @@ def case_many_connections():
     try:
         rc, out, err = client(s.port, "--count", "10")
         check(rc == 0, f"first client: {out}{err}")
-        s.wait_for(r"closed \(the client disconnected", 30)
+        s.wait_for(r"closed \(the client disconnected", 60)
         wait_until(lambda: s.rdma_objects("qp") == 0, 30, "the first client's QP destroyed")
         baseline = s.rdma_counts()
         start = time.monotonic()
@@ -645,7 +648,7 @@ def case_setup_failure_threads():
         set_memlock(s, resource.RLIM_INFINITY)
         rc, out, err = client(s.port, "--count", "100")
         check(rc == 0 and verified(out)[0] == 100, f"served once the limit allows:\n{out}{err}")
-        s.wait_for(r"closed \(the client disconnected[^\n]*\(thread 1\)", 30)
+        s.wait_for(r"closed \(the client disconnected[^\n]*\(thread 1\)", 60)
         refused = [len(re.findall(rf"rejected \(server error: [^\n]*\(thread {t}\)", s.text())) for t in (0, 1)]
         check(refused == [2, 2], f"2 requests refused by each thread: {refused}")
     finally:
