@@ -320,45 +320,58 @@ TEST_CASE_FIXTURE(
 
 namespace {
 
+// What the two fault sets below share, while one lives: Faults::poll as the verbs poll_cq,
+// every io_uring submission refused (EBUSY) while Faults::refusing, and the diagnostics taken
+// by Faults::sink (which prints them too). All three restored when it goes.
+template <typename Faults>
+struct poll_submit_sink_hooks {
+    static inline bool refusing = false;
+    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit = nullptr;
+    static inline diagnostics_sink saved_sink = nullptr;
+    poll_submit_sink_hooks() {
+        refusing = false;
+        saved_submit = ringverbs::detail::io_uring_hooks().submit;
+        verbs::detail::hooks().poll_cq = &Faults::poll;
+        ringverbs::detail::io_uring_hooks().submit = &submit;
+        saved_sink = set_diagnostics_sink(&Faults::sink);
+    }
+    ~poll_submit_sink_hooks() {
+        set_diagnostics_sink(saved_sink);
+        verbs::detail::hooks().poll_cq = verbs::detail::real_verbs().poll_cq;
+        ringverbs::detail::io_uring_hooks().submit = saved_submit;
+    }
+    poll_submit_sink_hooks(const poll_submit_sink_hooks&) = delete;
+    poll_submit_sink_hooks& operator=(const poll_submit_sink_hooks&) = delete;
+    static int submit(io_uring* ring) noexcept { return refusing ? -EBUSY : saved_submit(ring); }
+    static void print(std::string_view m) noexcept {
+        std::fprintf(stderr, "ringverbs: %.*s\n", static_cast<int>(m.size()), m.data());
+    }
+};
+
 // Two receives of one QP in one poll, the first misreported as longer than its slot, and from
 // that poll on the submission ring full with every submission refused until the violation's
 // flush watch found no SQE for its timer (its diagnostic), so that what the QP owes ends at
 // once (the event reader's next read may be refused before: it tries again a turn later).
 // Faults between the runtime and the real device and ring; the completions are the device's.
-struct violation_in_batch {
+struct violation_in_batch : poll_submit_sink_hooks<violation_in_batch> {
     static inline ibv_cq* target = nullptr;
     static inline io_context* io = nullptr;
     static inline std::vector<ibv_wc> held;
     static inline bool fired = false;
-    static inline bool refusing = false;
     static inline bool watch_refused = false; // "no flush timer": the watch ended what was owed
-    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit = nullptr;
-    static inline diagnostics_sink saved_sink = nullptr;
     violation_in_batch(ibv_cq* cq, io_context& ctx) {
         target = cq;
         io = &ctx;
         held.clear();
-        fired = refusing = watch_refused = false;
-        saved_submit = ringverbs::detail::io_uring_hooks().submit;
-        verbs::detail::hooks().poll_cq = &poll;
-        ringverbs::detail::io_uring_hooks().submit = &submit;
-        saved_sink = set_diagnostics_sink(&sink);
+        fired = watch_refused = false;
     }
-    ~violation_in_batch() {
-        set_diagnostics_sink(saved_sink);
-        verbs::detail::hooks().poll_cq = verbs::detail::real_verbs().poll_cq;
-        ringverbs::detail::io_uring_hooks().submit = saved_submit;
-    }
-    violation_in_batch(const violation_in_batch&) = delete;
-    violation_in_batch& operator=(const violation_in_batch&) = delete;
     static void sink(std::string_view m) noexcept {
         if (m.find("no flush timer") != std::string_view::npos) {
             watch_refused = true;
             refusing = false;
         }
-        std::fprintf(stderr, "ringverbs: %.*s\n", static_cast<int>(m.size()), m.data());
+        print(m);
     }
-    static int submit(io_uring* ring) noexcept { return refusing ? -EBUSY : saved_submit(ring); }
     static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
         if (cq != target || fired) return verbs::detail::real_verbs().poll_cq(cq, n, wc);
         // Held back until two receives are in: then both in one batch.
@@ -435,41 +448,27 @@ namespace {
 // runtime resets that QP (its watch's diagnostic names it): a device whose flush lags, so that
 // no reset ends what another QP owes. Notes the stack address of each reset's first poll: a
 // reset nested in another's polls deeper.
-struct violations_on_shared_cq {
+struct violations_on_shared_cq : poll_submit_sink_hooks<violations_on_shared_cq> {
     static inline ibv_cq* target = nullptr;
     static inline io_context* io = nullptr;
     static inline std::size_t qps = 0;
     static inline std::vector<ibv_wc> held;
     static inline std::vector<std::uint32_t> released; // QPs whose completions show up now
     static inline bool fired = false;
-    static inline bool refusing = false;
     static inline std::size_t watches_refused = 0;
     static inline bool reset_next = false; // the next poll is a reset's first
     static inline std::size_t resets_seen = 0;
     static inline std::uintptr_t deepest = 0, shallowest = 0; // of the resets' first polls
-    static inline decltype(ringverbs::detail::uring_hooks::submit) saved_submit = nullptr;
-    static inline diagnostics_sink saved_sink = nullptr;
     violations_on_shared_cq(ibv_cq* cq, io_context& ctx, std::size_t n) {
         target = cq;
         io = &ctx;
         qps = n;
         held.clear();
         released.clear();
-        fired = refusing = reset_next = false;
+        fired = reset_next = false;
         watches_refused = resets_seen = 0;
         deepest = shallowest = 0;
-        saved_submit = ringverbs::detail::io_uring_hooks().submit;
-        verbs::detail::hooks().poll_cq = &poll;
-        ringverbs::detail::io_uring_hooks().submit = &submit;
-        saved_sink = set_diagnostics_sink(&sink);
     }
-    ~violations_on_shared_cq() {
-        set_diagnostics_sink(saved_sink);
-        verbs::detail::hooks().poll_cq = verbs::detail::real_verbs().poll_cq;
-        ringverbs::detail::io_uring_hooks().submit = saved_submit;
-    }
-    violations_on_shared_cq(const violations_on_shared_cq&) = delete;
-    violations_on_shared_cq& operator=(const violations_on_shared_cq&) = delete;
     static void sink(std::string_view m) noexcept {
         constexpr std::string_view mark = "no flush timer";
         if (m.find(mark) != std::string_view::npos && m.starts_with("qp ")) {
@@ -477,9 +476,8 @@ struct violations_on_shared_cq {
             reset_next = true;
             if (++watches_refused == qps) refusing = false;
         }
-        std::fprintf(stderr, "ringverbs: %.*s\n", static_cast<int>(m.size()), m.data());
+        print(m);
     }
-    static int submit(io_uring* ring) noexcept { return refusing ? -EBUSY : saved_submit(ring); }
     [[gnu::noinline]] static int poll(ibv_cq* cq, int n, ibv_wc* wc) noexcept {
         if (cq != target) return verbs::detail::real_verbs().poll_cq(cq, n, wc);
         ibv_wc got[16];
