@@ -149,7 +149,7 @@ connection::loop_end connection::ended_by(const std::exception_ptr& error, reque
         return {e.what(),
                 !closing_ && e.code() != std::errc::operation_canceled &&
                     (!never_flushed || disconnect_seen_),
-                e.code() == std::errc::not_connected ? 30s : 10s};
+                e.code() == std::errc::not_connected ? own_end_grace : peer_grace};
     }
 }
 
@@ -265,7 +265,8 @@ void connection::cut_off(std::string why, std::chrono::seconds grace) {
 // partition: cluster_test), and a longer wait would only hold its slot. Not 2 s: siw in a
 // loaded 2-vCPU guest delivered it later (echo_test's killed_client_reason).
 std::chrono::seconds connection::grace_after(ibv_wc_status status) noexcept {
-    return status == IBV_WC_LOC_QP_OP_ERR || status == IBV_WC_WR_FLUSH_ERR ? 30s : 10s;
+    return status == IBV_WC_LOC_QP_OP_ERR || status == IBV_WC_WR_FLUSH_ERR ? own_end_grace
+                                                                           : peer_grace;
 }
 
 // What a failed completion says about the connection.

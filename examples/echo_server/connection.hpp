@@ -48,11 +48,13 @@ class connection {
     task<void> close(std::string why);
     task<void> disconnect();
     std::string failure(request failed, ibv_wc_status status) const;
+    // The two waits for DISCONNECTED after a cut-off (grace_after).
+    static constexpr std::chrono::seconds peer_grace{10}, own_end_grace{30};
     // Why an echo loop's request failed, and whether the client's end may explain it.
     struct loop_end {
         std::string why;
         bool explainable = false;
-        std::chrono::seconds grace{10}; // cut_off()'s, when explainable
+        std::chrono::seconds grace = peer_grace; // cut_off()'s, when explainable
     };
     loop_end ended_by(const std::exception_ptr& error, request current);
     void cut_off(std::string why, std::chrono::seconds grace);
@@ -77,10 +79,10 @@ class connection {
         ending_; // requested by close() and fail(): ends the idle and disconnect watches
     std::optional<std::string> failure_; // fail()'s reason
     bool cut_off_ = false; // failure_ is an echo cut off in flight: the client's end, if it came
-    std::chrono::seconds grace_{10};  // cut_off()'s wait for DISCONNECTED
-    bool watching_ = false;           // watch_disconnect runs: it closes for a cut_off()
-    std::uint32_t loops_running_ = 0; // echo loops not ended yet (--no-srq)
-    bool disconnect_seen_ = false;    // --no-srq: watch_disconnect saw the client's disconnect
+    std::chrono::seconds grace_ = peer_grace; // cut_off()'s wait for DISCONNECTED
+    bool watching_ = false;                   // watch_disconnect runs: it closes for a cut_off()
+    std::uint32_t loops_running_ = 0;         // echo loops not ended yet (--no-srq)
+    bool disconnect_seen_ = false; // --no-srq: watch_disconnect saw the client's disconnect
     // With the SRQ: no receive of this connection carries the server's stop, so the stop ends the
     // watches (and watch_disconnect closes the connection).
     struct request_stop_of {
