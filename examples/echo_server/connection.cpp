@@ -149,7 +149,7 @@ connection::loop_end connection::ended_by(const std::exception_ptr& error, reque
         return {e.what(),
                 !closing_ && e.code() != std::errc::operation_canceled &&
                     (!never_flushed || disconnect_seen_),
-                e.code() == std::errc::not_connected ? own_end_grace : peer_grace};
+                grace_after(e.code() == std::errc::not_connected)};
     }
 }
 
@@ -255,18 +255,23 @@ void connection::cut_off(std::string why, std::chrono::seconds grace) {
     fail(std::move(why));
 }
 
-// How long a connection cut off with `status` waits for the client's DISCONNECTED. 30 s when
-// the connection's own end raised the failure: on iWARP a send the stream's end cut off
+// How long a connection cut off with `status` waits for the client's DISCONNECTED. 30 s on
+// iWARP when the connection's own end raised the failure: a send the stream's end cut off
 // (LOC_QP_OP_ERR), the flushes after it, and a post refused with ENOTCONN (ended_by). siw then
 // raises the CM's close itself (siw_qp_cm_drop), so DISCONNECTED comes; only its delivery may be
 // late: more than 10 s once, in a guest loaded by the hostile test and two busy processes
-// (echo_test's max_connections; and once in CI). 10 s for what a peer that stopped answering
-// gives (RETRY_EXC, RNR_RETRY_EXC, a remote error): its DISCONNECTED may never come (a
-// partition: cluster_test), and a longer wait would only hold its slot. Not 2 s: siw in a
-// loaded 2-vCPU guest delivered it later (echo_test's killed_client_reason).
-std::chrono::seconds connection::grace_after(ibv_wc_status status) noexcept {
-    return status == IBV_WC_LOC_QP_OP_ERR || status == IBV_WC_WR_FLUSH_ERR ? own_end_grace
-                                                                           : peer_grace;
+// (echo_test's max_connections; and once in CI). 10 s for the rest: what a peer that stopped
+// answering gives (RETRY_EXC, RNR_RETRY_EXC, a remote error), whose DISCONNECTED may never come
+// (a partition: cluster_test), and every failure on IB/RoCE, where nothing local raises it (a
+// peer's WRITE with a made-up rkey fails the server's QP and flushes its requests: helper-59);
+// a longer wait would only hold the slot. Not 2 s: siw in a loaded 2-vCPU guest delivered it
+// later (echo_test's killed_client_reason).
+std::chrono::seconds connection::grace_after(bool own_end) const noexcept {
+    const bool iwarp = device_.context.native()->device->transport_type == IBV_TRANSPORT_IWARP;
+    return iwarp && own_end ? own_end_grace : peer_grace;
+}
+std::chrono::seconds connection::grace_after(ibv_wc_status status) const noexcept {
+    return grace_after(status == IBV_WC_LOC_QP_OP_ERR || status == IBV_WC_WR_FLUSH_ERR);
 }
 
 // What a failed completion says about the connection.

@@ -58,7 +58,8 @@ class connection {
     };
     loop_end ended_by(const std::exception_ptr& error, request current);
     void cut_off(std::string why, std::chrono::seconds grace);
-    static std::chrono::seconds grace_after(ibv_wc_status status) noexcept;
+    std::chrono::seconds grace_after(bool own_end) const noexcept;
+    std::chrono::seconds grace_after(ibv_wc_status status) const noexcept;
     local_buffer buffer(std::uint32_t slot, std::uint32_t length);
     qp make_qp();
 
