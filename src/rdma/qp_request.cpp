@@ -149,17 +149,8 @@ void qp::request::refused_doorbell(int rc) const {
     }
     ibv_send_wr* bad = nullptr;
     int rc = hooks().post_send(q.qp.native(), &send_wr_, &bad);
-    if (rc != 0) [[unlikely]] {
-        if (bad == nullptr) {
-            // Queued all the same: its completion names the sink (forced) or the CQ's
-            // unsignaled op, never this request. Count the sink's as owed, so that the reset's
-            // flush (or made-up end) finds it, then reset and throw as for a signaled send.
-            if (forced) q.sink_posted();
-            q.reset(0);
-            refused_doorbell(rc);
-        }
-        throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
-    }
+    if (rc != 0) [[unlikely]]
+        unsignaled_post_failed(rc, bad, forced);
     ++q.counters.unsignaled;
     if (forced) {
         ++q.counters.forced_signaled;
@@ -173,6 +164,20 @@ void qp::request::refused_doorbell(int rc) const {
     stage_ = stage::done;
     done_at_post_ = true;
     return true;
+}
+
+// post_unsignaled's ibv_post_send failed: out of line, so that the lean path saves no
+// registers for it.
+void qp::request::unsignaled_post_failed(int rc, const ibv_send_wr* bad, bool forced) {
+    if (bad == nullptr) {
+        // Queued all the same: its completion names the sink (forced) or the CQ's unsignaled
+        // op, never this request. Count the sink's as owed, so that the reset's flush (or
+        // made-up end) finds it, then reset and throw as for a signaled send.
+        if (forced) qp_->sink_posted();
+        qp_->reset(0);
+        refused_doorbell(rc);
+    }
+    throw_system_error(verbs::verb_errno(rc), name_); // nothing was posted
 }
 
 bool qp::request::await_suspend(std::coroutine_handle<> h) {

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -312,6 +313,8 @@ class qp::request : detail::wr_op, detail::wait_core {
     inline void post_signaled();   // the same
     void post_unsignaled_at_await();
     [[gnu::noinline, gnu::cold]] void post_throttled();
+    [[noreturn, gnu::noinline, gnu::cold]] void
+    unsignaled_post_failed(int rc, const ibv_send_wr* bad, bool forced);
     // Throws for a send whose doorbell was refused after the provider queued it (rc, no
     // request named bad), once the caller has reset the QP.
     [[noreturn]] void refused_doorbell(int rc) const;
@@ -363,7 +366,11 @@ inline qp::request::request(detail::qp_state* qp, const char* name, ibv_wr_opcod
 // unless post_unsignaled says otherwise) and the immediate.
 inline void qp::request::start_send(ibv_wr_opcode opcode, std::uint32_t length, unsigned send_flags,
                                     std::optional<std::uint32_t> imm) noexcept {
-    send_wr_ = ibv_send_wr{};
+    // Zeroed in two halves: GCC 12 zeroes 128 bytes at once with `rep stos` (16 counted
+    // instructions and a slow start), 64 at a time with 4 vector stores each.
+    static_assert(sizeof(ibv_send_wr) == 128);
+    std::memset(static_cast<void*>(&send_wr_), 0, 64);
+    std::memset(reinterpret_cast<unsigned char*>(&send_wr_) + 64, 0, 64);
     send_wr_.opcode = opcode;
     send_wr_.sg_list = &sge_;
     const bool atomic =
@@ -375,11 +382,10 @@ inline void qp::request::start_send(ibv_wr_opcode opcode, std::uint32_t length, 
 
 namespace detail {
 inline unsigned send_flags_of(const send_options& o) noexcept {
-    unsigned f = 0;
-    if (o.inline_data) f |= IBV_SEND_INLINE;
-    if (o.solicited) f |= IBV_SEND_SOLICITED;
-    if (o.fence) f |= IBV_SEND_FENCE;
-    return f;
+    // Without a branch per flag.
+    return (o.inline_data ? unsigned{IBV_SEND_INLINE} : 0u) |
+           (o.solicited ? unsigned{IBV_SEND_SOLICITED} : 0u) |
+           (o.fence ? unsigned{IBV_SEND_FENCE} : 0u);
 }
 } // namespace detail
 
