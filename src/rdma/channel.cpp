@@ -1,5 +1,7 @@
 #include <ringverbs/engine/diagnostics.hpp>
+#include <ringverbs/engine/error.hpp>
 #include <ringverbs/rdma/channel.hpp>
+#include <ringverbs/rdma/cq.hpp>
 
 #include <ringverbs/rdma/detail/srq_state.hpp>
 #include <ringverbs/verbs/detail/verbs_hooks.hpp>
@@ -8,6 +10,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -346,15 +349,19 @@ void channel_state::fall_back(int err, bool transient) noexcept {
     }
 }
 
+// A per-request await's completion (its wr_id tagged) to its op: true; else false.
+[[gnu::always_inline]] inline bool cq_state::to_op(const ibv_wc& wc) noexcept {
+    if (!(wc.wr_id & wr_tag_ours)) return false;
+    auto* op = reinterpret_cast<wr_op*>(wc.wr_id & ~(wr_tag_ours | wr_tag_last));
+    op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);
+    return true;
+}
+
 // A completion drain_cq polled, to its owner: a per-request await's op (its wr_id names it),
 // else cq::next()'s waiters or buffer. Here, beside the poll loop, so that the loop and the
 // at-once path (event_reader::cqe, flattened) inline it.
 void cq_state::dispatch(const ibv_wc& wc) noexcept {
-    if (wc.wr_id & wr_tag_ours) {
-        auto* op = reinterpret_cast<wr_op*>(wc.wr_id & ~(wr_tag_ours | wr_tag_last));
-        op->on_wc(op, wc, (wc.wr_id & wr_tag_last) != 0);
-        return;
-    }
+    if (to_op(wc)) return;
     if (!srq_qps.empty()) note_srq_receive(wc);
     deliver(wc);
 }
@@ -379,28 +386,38 @@ void cq_state::deliver(const ibv_wc& wc) noexcept {
     ++count;
 }
 
+// One ibv_poll_cq of `c` for up to `want` completions into `wcs`, counted: how many, or -1
+// when it failed (said once here; c's next() waiters end with EIO).
+[[gnu::always_inline]] inline int channel_state::poll_once(cq_state& c, int want,
+                                                           ibv_wc* wcs) noexcept {
+    const int got = hooks().poll_cq(c.cq.native(), want, wcs);
+    if (got < 0) [[unlikely]] {
+        diagnose("ibv_poll_cq failed (the provider returned %d)", got);
+        c.fail_waiters(EIO);
+        return -1;
+    }
+    ++counters.polls;
+    ++c.counters.polls;
+    if (got == 0) {
+        ++counters.empty_polls;
+        ++c.counters.empty_polls;
+        return 0;
+    }
+    const auto n = static_cast<std::size_t>(got);
+    counters.completions += n;
+    c.counters.completions += n;
+    return got;
+}
+
 // Polls `c` until it is empty, dispatching every completion. Returns how many.
 std::size_t channel_state::drain_cq(cq_state& c) noexcept {
     ibv_wc wcs[max_poll_batch];
     const std::size_t batch = options.poll_batch; // 1 to max_poll_batch (the constructor)
     std::size_t total = 0;
     for (;;) {
-        const int got = hooks().poll_cq(c.cq.native(), static_cast<int>(batch), wcs);
-        if (got < 0) [[unlikely]] {
-            diagnose("ibv_poll_cq failed (the provider returned %d)", got);
-            c.fail_waiters(EIO);
-            break;
-        }
+        const int got = poll_once(c, static_cast<int>(batch), wcs);
+        if (got <= 0) break;
         const auto n = static_cast<std::size_t>(got);
-        ++counters.polls;
-        ++c.counters.polls;
-        if (n == 0) {
-            ++counters.empty_polls;
-            ++c.counters.empty_polls;
-            break;
-        }
-        counters.completions += n;
-        c.counters.completions += n;
         total += n;
         for (std::size_t i = 0; i < n; ++i)
             c.dispatch(wcs[i]);
@@ -409,6 +426,86 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
     c.filling = nullptr;
     return total;
 }
+
+// cq::try_next with nothing buffered: polls straight into `out`, and moves every completion
+// for next() to the front, in order, as a per-request await's goes to its op. A queued next()
+// waiter is owed them first, so nothing is polled then. Polls again while per-request
+// completions took room and the CQ filled the poll.
+[[gnu::always_inline]] inline std::size_t cq_state::poll_now(ibv_wc* out, std::size_t capacity,
+                                                             int& err) noexcept {
+    // (Never `closed` here: that is the cq handle's end, and try_next is called through it.)
+    if (error != 0 || channel->error != 0 || !waiters.empty()) [[unlikely]] {
+        err = error != 0 ? error : channel->error;
+        return 0;
+    }
+    polled_by_consumer = true;
+    std::size_t kept = 0;
+    for (;;) {
+        const int want = static_cast<int>(std::min<std::size_t>(capacity - kept, INT_MAX));
+        const int got = channel->poll_once(*this, want, out + kept);
+        if (got <= 0) {
+            if (got < 0 && kept == 0) err = EIO;
+            break;
+        }
+        const std::size_t end = kept + static_cast<std::size_t>(got);
+        for (std::size_t i = kept; i < end; ++i) {
+            if (to_op(out[i])) continue;
+            if (!srq_qps.empty()) note_srq_receive(out[i]);
+            if (i != kept) out[kept] = out[i];
+            ++kept;
+        }
+        if (kept == capacity || got < want) break;
+    }
+    channel->run_deferred_watches_if_any();
+    return kept;
+}
+
+namespace {
+[[noreturn, gnu::cold, gnu::noinline]] void try_next_failed(int err) {
+    if (err == EIO) throw_system_error(err, "cq::try_next: ibv_poll_cq failed");
+    if (err == EOVERFLOW)
+        throw_system_error(err, "cq::try_next: IBV_EVENT_CQ_ERR (the CQ overran)");
+    if (err == ENODEV)
+        throw_system_error(err, "cq::try_next: the RDMA device is gone (removed, or failed for "
+                                "good)");
+    throw_system_error(err, "cq::try_next");
+}
+} // namespace
+
+} // namespace detail
+
+// Here, beside the poll: a try_next that polls runs without calls between itself and the
+// poll's counting and sorting (the provider's poll, and a per-request op's handler, are left).
+std::size_t cq::try_next_polled(std::span<ibv_wc> out) {
+    int err = 0;
+    const std::size_t n = state_->poll_now(out.data(), out.size(), err);
+    if (n == 0 && err != 0) [[unlikely]]
+        detail::try_next_failed(err);
+    return n;
+}
+
+// try_next(wc) with nothing buffered: poll_now for one completion, without its loop over a
+// batch (about 20 instructions fewer, tools/bench-cost's busy ours_poll). A per-request
+// await's completion is polled into `wc` too, handed to its op, and the CQ polled again.
+bool cq::try_next_polled(ibv_wc& wc) {
+    detail::cq_state& s = *state_;
+    detail::channel_state& ch = *s.channel;
+    if (s.error != 0 || ch.error != 0 || !s.waiters.empty()) [[unlikely]]
+        return try_next_polled(std::span<ibv_wc>(&wc, 1)) != 0; // says why, or takes nothing
+    s.polled_by_consumer = true;
+    int got;
+    while ((got = ch.poll_once(s, 1, &wc)) > 0) {
+        if (s.to_op(wc)) continue;
+        if (!s.srq_qps.empty()) s.note_srq_receive(wc);
+        break;
+    }
+    ch.run_deferred_watches_if_any();
+    if (got < 0) [[unlikely]]
+        detail::try_next_failed(EIO);
+    return got > 0;
+}
+
+namespace detail {
 
 // No poll is under way: the QPs a handler moved to the error state during one start their
 // flush watch now, which may end what they owe at once (reset(), polling their CQs again, and
@@ -589,9 +686,18 @@ std::size_t channel_state::poll_all() noexcept {
     static_cast<service_poller*>(p)->owner->busy_pass();
 }
 
+// A CQ that its consumer polled itself (cq::try_next) since the last pass is left to it this
+// turn: a coroutine spinning on try_next and yield() then takes every completion with its
+// own poll, once, instead of racing the pass for it (tools/bench-cost: busy ours_poll). Once
+// it stops polling, the next pass polls the CQ again.
 void channel_state::busy_pass() noexcept {
-    for (cq_state* c : cqs)
+    for (cq_state* c : cqs) {
+        if (c->polled_by_consumer) {
+            c->polled_by_consumer = false;
+            continue;
+        }
         drain_cq(*c);
+    }
     detail::loop(*ctx).queue_poller(&service);
     run_deferred_watches_if_any();
 }

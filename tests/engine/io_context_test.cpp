@@ -148,6 +148,24 @@ TEST_CASE("co_await schedule() moves a coroutine onto the context's thread") {
     CHECK(resumed_on != std::this_thread::get_id());
 }
 
+TEST_CASE("co_await yield() lets the coroutines ready before it run first, then continues") {
+    io_context io;
+    std::string order;
+    auto spinner = [&](char name, int turns) -> task<void> {
+        for (int i = 0; i < turns; ++i) {
+            order += name;
+            co_await io.yield();
+        }
+    };
+    io.spawn(spinner('a', 3));
+    io.spawn(spinner('b', 2));
+    io.run();
+    // Each yield puts its coroutine behind the other one: they take turns, none runs twice
+    // in a row while the other is ready.
+    CHECK(order == "ababa");
+    CHECK(io.waiters() == 0);
+}
+
 TEST_CASE("stop() from another thread ends run()") {
     io_context ctx;
     io_context::work_guard guard(ctx);

@@ -419,3 +419,163 @@ TEST_CASE("an event of a CQ whose cq is gone is counted in gone_cq_events, not d
         CHECK(ch.counters().events == 0);
     }
 }
+
+namespace {
+// try_next() until it gives a completion, without turning the loop (it polls the CQ itself):
+// bounded, 10 s at most.
+bool try_next_within(cq& c, ibv_wc& wc) {
+    for (int i = 0; i < 10000; ++i) {
+        if (c.try_next(wc)) return true;
+        std::this_thread::sleep_for(1ms);
+    }
+    return false;
+}
+} // namespace
+
+TEST_CASE("try_next() polls the CQ without the loop, in order; a per-request completion found on "
+          "the way goes to its own awaiter") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    ibv_wc wc{};
+    CHECK_FALSE(lp.cq_b.try_next(wc)); // nothing posted: nothing there
+    bool awaited = false;
+    auto receiver = [&]() -> task<void> {
+        ibv_wc own = co_await lp.b.recv(buf.local(0, 64));
+        CHECK(own.status == IBV_WC_SUCCESS);
+        awaited = true;
+    };
+    io.spawn(receiver());
+    io.run_once(false); // its receive is posted, first in b's receive queue
+    for (std::uint64_t i = 0; i < 4; ++i)
+        raw_recv(lp.b, buf.local(64 + i * 64, 64), 100 + i);
+    for (std::uint64_t i = 0; i < 5; ++i)
+        raw_send(lp.a, buf.local(1024 + i * 64, 64), 200 + i);
+    // The first send fills the awaited receive: try_next never gives that one, it dispatches it.
+    for (std::uint64_t i = 0; i < 4; ++i) {
+        REQUIRE(try_next_within(lp.cq_b, wc));
+        CHECK(wc.status == IBV_WC_SUCCESS);
+        CHECK(wc.wr_id == 100 + i);
+    }
+    CHECK_FALSE(lp.cq_b.try_next(wc));
+    CHECK_FALSE(awaited); // decided during a poll, resumed by a turn of the loop only
+    io.run();
+    CHECK(awaited);
+    // The five sends' completions, from a's CQ, by the batch form.
+    std::vector<std::uint64_t> sent;
+    ibv_wc batch[3];
+    for (int i = 0; i < 10000 && sent.size() < 5; ++i) {
+        const std::size_t n = lp.cq_a.try_next_batch(batch);
+        CHECK(n <= 3);
+        for (std::size_t k = 0; k < n; ++k)
+            sent.push_back(batch[k].wr_id);
+        if (n == 0) std::this_thread::sleep_for(1ms);
+    }
+    CHECK(sent == std::vector<std::uint64_t>{200, 201, 202, 203, 204});
+    CHECK(lp.cq_a.buffered() == 0);
+    CHECK(io.waiters() == 0);
+}
+
+TEST_CASE("try_next() takes nothing while a next() waits on the cq: what comes is the waiter's") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    std::uint64_t waited_for = 0;
+    auto waiter = [&]() -> task<void> { waited_for = (co_await lp.cq_b.next()).wr_id; };
+    io.spawn(waiter());
+    io.run_once(false); // queued on cq_b
+    raw_recv(lp.b, buf.local(0, 64), 7);
+    raw_send(lp.a, buf.local(1024, 64), 8);
+    ibv_wc wc{};
+    REQUIRE(try_next_within(lp.cq_a, wc)); // the send is done: the receive came before it
+    CHECK(wc.wr_id == 8);
+    CHECK_FALSE(lp.cq_b.try_next(wc));
+    ibv_wc batch[4];
+    CHECK(lp.cq_b.try_next_batch(batch) == 0);
+    io.run();
+    CHECK(waited_for == 7);
+}
+
+TEST_CASE("try_next() with a failed ibv_poll_cq throws EIO naming it; what was buffered comes "
+          "first") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    for (std::uint64_t i = 0; i < 2; ++i) {
+        raw_recv(lp.b, buf.local(i * 64, 64), 10 + i);
+        raw_send(lp.a, buf.local(1024 + i * 64, 64), 20 + i);
+    }
+    // Both completions, buffered by the loop's service (nobody waits for them).
+    auto settle = [&]() -> task<void> {
+        for (int i = 0; i < 2000 && lp.cq_b.buffered() < 2; ++i) // 10 s at most
+            co_await sleep_for(io, 5ms);
+    };
+    io.run(settle());
+    REQUIRE(lp.cq_b.buffered() == 2);
+    auto& poll = ringverbs::verbs::detail::hooks().poll_cq;
+    const auto real = poll;
+    poll = [](ibv_cq*, int, ibv_wc*) noexcept { return -EINVAL; };
+    ibv_wc wc{};
+    CHECK(lp.cq_b.try_next(wc));
+    CHECK(wc.wr_id == 10);
+    CHECK(lp.cq_b.try_next(wc));
+    CHECK(wc.wr_id == 11);
+    std::string what;
+    int code = 0;
+    try {
+        (void)lp.cq_b.try_next(wc);
+    } catch (const std::system_error& e) {
+        what = e.what();
+        code = e.code().value();
+    }
+    poll = real;
+    CHECK(code == EIO);
+    CHECK(what.find("cq::try_next: ibv_poll_cq failed") != std::string::npos);
+    CHECK_FALSE(lp.cq_b.try_next(wc)); // the hook is real again: nothing there, no error
+}
+
+TEST_CASE("a busy channel's coroutines ping-pong with try_next() and yield(), awaited sends "
+          "included: every message once, in order") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io, channel_options{.mode = polling_mode::busy});
+    region buf(dev.pd, 8192);
+    constexpr int rounds = 200;
+    int pongs = 0;
+    std::uint64_t expected_b = 0;
+    std::uint64_t expected_a = 0;
+    auto side = [&](qp& q, cq& c, std::uint64_t& expected, std::size_t at,
+                    bool first) -> task<void> {
+        for (int i = 0; i < rounds; ++i) {
+            if (first) CHECK((co_await q.send(buf.local(at + 4096, 16))).status == IBV_WC_SUCCESS);
+            ibv_wc wc{};
+            while (!c.try_next(wc))
+                co_await io.yield();
+            CHECK(wc.status == IBV_WC_SUCCESS);
+            CHECK(wc.wr_id == expected++);
+            if (!first) {
+                raw_recv(q, buf.local(at + static_cast<std::size_t>(i % 8) * 64, 64), expected + 7);
+                CHECK((co_await q.send(buf.local(at + 4096, 16))).status == IBV_WC_SUCCESS);
+            } else {
+                raw_recv(q, buf.local(at + static_cast<std::size_t>(i % 8) * 64, 64), expected + 7);
+                ++pongs;
+            }
+        }
+    };
+    for (std::uint64_t i = 0; i < 8; ++i) {
+        raw_recv(lp.a, buf.local(i * 64, 64), i);
+        raw_recv(lp.b, buf.local(2048 + i * 64, 64), i);
+    }
+    io.run(when_all(side(lp.a, lp.cq_a, expected_a, 0, true),
+                    side(lp.b, lp.cq_b, expected_b, 2048, false)));
+    CHECK(pongs == rounds);
+    CHECK(expected_a == rounds);
+    CHECK(expected_b == rounds);
+    CHECK(lp.cq_a.buffered() == 0);
+    CHECK(lp.cq_b.buffered() == 0);
+    CHECK(lp.a.pending() == 0);
+    CHECK(lp.b.pending() == 0);
+}

@@ -141,6 +141,13 @@ class io_context {
     class schedule_awaitable;
     schedule_awaitable schedule() noexcept;
 
+    // co_await ctx.yield(): on this context's thread, lets the rest of the turn and the next
+    // turn's start (the ring, the pollers: a busy channel's polls) run, then continues. For a
+    // coroutine that polls on its own (cq::try_next). Allocates nothing once the context's
+    // ready list has grown (std::bad_alloc from the co_await if it cannot).
+    class yield_awaitable;
+    yield_awaitable yield() noexcept;
+
     // Runs `fn` on this context's thread. Thread-safe. Allocates one node per call.
     void post(std::function<void()> fn);
 
@@ -514,6 +521,24 @@ class [[nodiscard]] io_context::schedule_awaitable : detail::remote_node {
 
 inline io_context::schedule_awaitable io_context::schedule() noexcept {
     return schedule_awaitable{this};
+}
+
+// The awaitable io_context::yield() returns: suspends, queues the coroutine on the context's
+// ready list (a later turn resumes it: resume_ready takes only what was ready when it began).
+class [[nodiscard]] io_context::yield_awaitable {
+  public:
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> caller) const { ctx_->ready(caller); }
+    void await_resume() const noexcept {}
+
+  private:
+    friend class io_context;
+    explicit yield_awaitable(io_context* c) noexcept : ctx_(c) {}
+    io_context* ctx_;
+};
+
+inline io_context::yield_awaitable io_context::yield() noexcept {
+    return yield_awaitable{this};
 }
 
 } // namespace ringverbs

@@ -68,6 +68,28 @@ class cq {
     // many were written to `out`.
     batch_awaitable next_batch(std::span<ibv_wc> out, wait_options options = {}) noexcept;
 
+    // cq.try_next(wc): the completion next() would give next, without waiting: true with `wc`
+    // set, or false. Buffered completions come first. With none buffered, and no next() or
+    // next_batch() queued on this cq (what comes is theirs first), it polls the CQ now: a
+    // per-request await's completion found on the way goes to its coroutine, which resumes on
+    // a later turn. For a coroutine that polls on its own (busy mode: see io_context::yield),
+    //
+    //   while (!c.try_next(wc)) co_await ctx.yield();
+    //
+    // and to take the rest of a burst after a co_await next() without suspending again. Once
+    // nothing is buffered it throws what next() would end with, as std::system_error
+    // "cq::try_next" (EOVERFLOW, ENODEV, a failed channel's errno), or EIO when ibv_poll_cq
+    // failed. On the thread of the cq's io_context only. After false, `wc` (and the part of
+    // `out` past what was returned) may have been written.
+    bool try_next(ibv_wc& wc) { return state_->pop(wc) || try_next_polled(wc); }
+    // The same for up to out.size() completions; returns how many were written to `out`.
+    std::size_t try_next_batch(std::span<ibv_wc> out) {
+        std::size_t n = 0;
+        while (n < out.size() && state_->pop(out[n]))
+            ++n;
+        return n > 0 || out.empty() ? n : try_next_polled(out);
+    }
+
     // The cq's device went away (removed, or failed for good; see device_events): from now on
     // the cq gives only what was polled before (flushes of its QPs among them), then next()
     // ends with ENODEV. For a consumer that posts through verbs and sees a flush or a refused
@@ -86,6 +108,9 @@ class cq {
 
   private:
     friend class qp;
+    // try_next's and try_next_batch's halves that poll: nothing was buffered.
+    bool try_next_polled(ibv_wc& wc);
+    std::size_t try_next_polled(std::span<ibv_wc> out);
 
     // What next() and next_batch() share: waits until completions are buffered for next()
     // consumers, then takes up to `capacity` of them.

@@ -233,6 +233,7 @@ struct channel_state {
     void end_spin(std::chrono::steady_clock::time_point now) noexcept;
     std::size_t rearm_unarmed() noexcept;
     void adapt_spin(std::chrono::nanoseconds gap) noexcept;
+    inline int poll_once(cq_state& cq, int want, ibv_wc* wcs) noexcept; // channel.cpp only
     std::size_t drain_cq(cq_state& cq) noexcept;
     void run_deferred_watches() noexcept;
     // After a poll outside a service pass (a reset's, an srq's end): the watches it deferred.
@@ -268,8 +269,10 @@ struct cq_state {
     bool arm_solicited = false;
     bool armed = false;
     bool in_fired = false; // listed in channel->fired (an event this turn)
-    bool closed = false;   // the user's cq handle is gone: next() consumers are no more
-    int error = 0;         // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
+    // cq::try_next polled it since the last busy pass, which skips it once (busy_pass).
+    bool polled_by_consumer = false;
+    bool closed = false; // the user's cq handle is gone: next() consumers are no more
+    int error = 0;       // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
     // What said that the device went away (detail::device_lost), or null: error is ENODEV.
     const char* lost = nullptr;
     // detail::device_lost posted this cq's loss to its thread already (read and written only
@@ -306,6 +309,7 @@ struct cq_state {
     cq_state& operator=(const cq_state&) = delete;
 
     void dispatch(const ibv_wc& wc) noexcept;
+    inline bool to_op(const ibv_wc& wc) noexcept; // defined (and only used) in channel.cpp
     void deliver(const ibv_wc& wc) noexcept;
     // A pool completion of a QP on an SRQ: counted on the SRQ. Out of line (see grow()).
     [[gnu::noinline]] void note_srq_receive(const ibv_wc& wc) noexcept;
@@ -338,6 +342,10 @@ struct cq_state {
             --channel->armed_cqs;
     }
     void fail_waiters(int err) noexcept;
+    // cq::try_next with nothing buffered: polls into `out` unless next() waiters are queued
+    // or the cq cannot give any more. Returns how many; sets `err` when none came because the
+    // cq or its channel failed (EIO: ibv_poll_cq did).
+    inline std::size_t poll_now(ibv_wc* out, std::size_t capacity, int& err) noexcept;
 };
 
 struct srq_state;
