@@ -17,7 +17,9 @@
 //   ends at the post and the qp signals one in signal_interval() itself. --send await waits
 //   for every send's own completion instead; --send raw posts the sends with the verbs call,
 //   unsignaled but 1 in 32, outside the runtime, for comparison only. Receives are pre-posted
-//   with the verbs call and taken with co_await cq.next() (--recv next, the default), or
+//   with the verbs call and taken with co_await cq.next() (--recv next, the default), or with
+//   cq::try_next, yielding to the loop between tries (--recv poll: the coroutine polls on its
+//   own, busy mode's way without an awaiter per message; it spins in every mode), or
 //   awaited one by one with co_await q.recv() by a receiver coroutine that hands each to the
 //   sender (--recv await). In events mode the CQ is armed solicited-only and messages go out
 //   solicited (--solicited 1, the default there): a send completion then raises no event of
@@ -91,7 +93,7 @@ using namespace std::chrono_literals;
 // Options
 
 enum class test_kind { lat, rate };
-enum class recv_style { next, await };
+enum class recv_style { next, poll, await };
 enum class send_style { await, unsignaled, raw };
 
 struct config : bench::common_options {
@@ -122,17 +124,18 @@ struct config : bench::common_options {
 };
 
 [[noreturn]] void usage() {
-    std::fprintf(stderr,
-                 "usage: rdma_bench lat|rate [--mode events|busy|hybrid] [--iters N] [--warmup N]\n"
-                 "         [--size BYTES] [--inline 0|1] [--solicited 0|1] [--recv next|await]\n"
-                 "         [--send unsignaled|await|raw]\n"
-                 "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
-                 "         [--hybrid-spin-max-us N]\n"
-                 "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
-                 "         [--ring defer|coop] [--event-read ring|syscall] [--raw 0|1]\n"
-                 "         [--raw-wait read|uring]\n"
-                 "         [--timeout SECONDS] [--stats 0|1]\n"
-                 "         [--listen ADDR:PORT | --connect ADDR:PORT] [--samples FILE (lat)]\n");
+    std::fprintf(
+        stderr,
+        "usage: rdma_bench lat|rate [--mode events|busy|hybrid] [--iters N] [--warmup N]\n"
+        "         [--size BYTES] [--inline 0|1] [--solicited 0|1] [--recv next|poll|await]\n"
+        "         [--send unsignaled|await|raw]\n"
+        "         [--window N] [--chain N] [--recv-depth N] [--hybrid-spin-us N]\n"
+        "         [--hybrid-spin-max-us N]\n"
+        "         [--ack-batch N] [--poll-batch N] [--device NAME] [--gid-index N]\n"
+        "         [--ring defer|coop] [--event-read ring|syscall] [--raw 0|1]\n"
+        "         [--raw-wait read|uring]\n"
+        "         [--timeout SECONDS] [--stats 0|1]\n"
+        "         [--listen ADDR:PORT | --connect ADDR:PORT] [--samples FILE (lat)]\n");
     std::exit(2);
 }
 
@@ -160,6 +163,8 @@ bool parse_option(config& c, std::string_view a, const std::string& v) {
     else if (a == "--recv") {
         if (v == "next")
             c.recv = recv_style::next;
+        else if (v == "poll")
+            c.recv = recv_style::poll;
         else if (v == "await")
             c.recv = recv_style::await;
         else
@@ -218,7 +223,8 @@ config parse(int argc, char** argv) {
     config c;
     bench::parse_command_line(argc, argv, c, usage, set_test, parse_option);
     if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
-    if (c.send == send_style::raw && c.recv != recv_style::next) usage();
+    if (c.send == send_style::raw && c.recv == recv_style::await) usage();
+    if (c.recv == recv_style::poll && c.test != test_kind::lat) usage();
     if (c.raw && (c.test != test_kind::lat || c.mode == polling_mode::hybrid)) usage();
     if (!c.samples.empty() && c.test != test_kind::lat) usage();
     if (c.iters < 2 || c.warmup < 0 || c.size == 0 || c.size > 4096) usage();
@@ -407,7 +413,7 @@ struct side : bench::process_runtime {
     }
 
     // --recv next: receives are posted with the verbs call, their completions (untagged
-    // wr_ids) taken with co_await cq.next().
+    // wr_ids) taken with co_await cq.next() (--recv poll: with cq::try_next and yield).
     task<void> lat_client_next(lat_state& ls) {
         const long total = cfg.warmup + cfg.iters;
         const local_buffer payload = lat_payload(ls);
@@ -418,11 +424,19 @@ struct side : bench::process_runtime {
             ibv_wc wc;
             if (cfg.send != send_style::raw) {
                 bench::check(co_await q.send(payload, so), "ping send");
-                wc = co_await c.next();
+                if (cfg.recv == recv_style::next)
+                    wc = co_await c.next();
+                else
+                    while (!c.try_next(wc))
+                        co_await io.yield();
             } else {
                 post_raw_send(ls);
                 do
-                    wc = co_await c.next();
+                    if (cfg.recv == recv_style::next)
+                        wc = co_await c.next();
+                    else
+                        while (!c.try_next(wc))
+                            co_await io.yield();
                 while (raw_send_done(wc));
             }
             bench::check(wc, "pong recv");
@@ -441,7 +455,11 @@ struct side : bench::process_runtime {
             if (i == cfg.warmup) win.begin();
             ibv_wc wc;
             do
-                wc = co_await c.next();
+                if (cfg.recv == recv_style::next)
+                    wc = co_await c.next();
+                else
+                    while (!c.try_next(wc))
+                        co_await io.yield();
             while (raw_send_done(wc));
             bench::check(wc, "ping recv");
             q.native_qp().post_recv(ls.rwr[wc.wr_id]);
@@ -505,7 +523,7 @@ struct side : bench::process_runtime {
         lat_state ls(*this);
         const long total = cfg.warmup + cfg.iters;
         connect();
-        if (cfg.recv == recv_style::next) {
+        if (cfg.recv != recv_style::await) {
             for (auto& w : ls.rwr)
                 q.native_qp().post_recv(w); // INIT or later: after connect()
             barrier();
@@ -942,7 +960,9 @@ int main(int argc, char** argv) {
     if (cfg.test == test_kind::lat) {
         std::printf("  \"raw\": %s,\n", cfg.raw ? "true" : "false");
         std::printf("  \"recv\": \"%s\",\n  \"send\": \"%s\",\n",
-                    cfg.recv == recv_style::next ? "next" : "await",
+                    cfg.recv == recv_style::next   ? "next"
+                    : cfg.recv == recv_style::poll ? "poll"
+                                                   : "await",
                     cfg.send == send_style::await        ? "await"
                     : cfg.send == send_style::unsignaled ? "unsignaled"
                                                          : "raw");

@@ -23,7 +23,8 @@ sides: what one more message costs one side, with the set-up cancelled out.
 Series: events (ours, reading the CQ events through the ring, the default; ours_syscall, with
 a poll of the channel's fd and ibv_get_cq_event; raw verbs with a blocking ibv_get_cq_event;
 raw verbs waiting in a bare liburing poll first; perftest's ib_send_lat -e, system calls only),
-busy (ours; raw verbs; ib_send_lat), hybrid (ours; ours_syscall). Writes COST_JSON:
+busy (ours, co_await cq.next(); ours_poll, cq::try_next with io_context::yield between tries;
+raw verbs; ib_send_lat), hybrid (ours; ours_syscall). Writes COST_JSON:
   {"mode": {"series": {"instructions": N|null, "syscalls": N, "by_name": {...}}}, "meta": {...},
    "budget": {...}, "over_budget": [...]}
 and exits 1 when a run failed, 4 when ours exceeds a budget of BUDGET_JSON
@@ -67,6 +68,7 @@ def series(bin_path):
         },
         "busy": {
             "ours": (*ours("--mode", "busy"), "fit"),
+            "ours_poll": (*ours("--mode", "busy", "--recv", "poll"), "fit"),
             "raw": (*ours("--mode", "busy", "--raw", "1"), "fit"),
             "ib_send_lat": ("perftest", ["ib_send_lat", "-s", "2"], False),
         },
