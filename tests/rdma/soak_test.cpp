@@ -10,7 +10,11 @@
 //   RINGVERBS_FAULTS_JSON=<path>  where to write the summary (faults.json)
 //   RINGVERBS_EVENT_READ=<path>   how both channels read their events: ring (default) or
 //                                 syscall (channel_options::read)
-//   RINGVERBS_SOAK_SECOND=<mode>  the second channel's polling mode: hybrid (default) or busy
+//   RINGVERBS_SOAK_SECOND=<mode>  the second channel's polling mode: hybrid (default) or busy;
+//                                 busy also runs a coroutine that polls the busy channel's CQs
+//                                 itself (cq::try_next_batch, yield between), so that the busy
+//                                 pass leaves them to it and every completion of theirs is
+//                                 dispatched by the consumer's poll
 #include "chaos_hooks.hpp"
 #include "fault_injection.hpp"
 #include "rdma_fixture.hpp"
@@ -584,6 +588,7 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
     std::uint64_t ok = 0, flushed = 0, timed_out = 0, cancelled = 0, never_flushed = 0,
                   other_error = 0, not_posted = 0;
     std::vector<ibv_wc> held_at_end;
+    std::uint64_t consumer_polls = 0, consumer_took = 0; // busy: the try_next poller's
     const diagnostics_sink default_sink = set_diagnostics_sink(&count_diagnostic);
     {
         device dev;
@@ -721,8 +726,26 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
                 }
             }
         };
+        // Busy: the second channel's CQs polled by a coroutine of the user's (try_next), as a
+        // busy-polling consumer does. Every completion there belongs to a per-request await,
+        // so it takes none itself (consumer_took stays 0) and only dispatches them.
+        auto consumer = [&]() -> task<void> {
+            ibv_wc wcs[8];
+            while (!finished) {
+                for (cq* c : {&c2, &c3}) {
+                    try {
+                        consumer_took += c->try_next_batch(wcs);
+                        ++consumer_polls;
+                    } catch (const std::system_error& e) {
+                        s.t.other(std::string("try_next_batch: ") + e.what());
+                    }
+                }
+                co_await io.yield();
+            }
+        };
         io.spawn(watch_async());
         io.spawn(bursts());
+        if (*second_mode == polling_mode::busy) io.spawn(consumer());
         try {
             io.run(all_pairs());
         } catch (const std::exception& e) {
@@ -807,6 +830,7 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
             ", \"delivered_unacknowledged\": " + std::to_string(delivered_unacknowledged) +
             ", \"cut_off_in_flight\": " + std::to_string(cut_off) +
             ", \"hangs\": " + std::to_string(hangs) + ", \"seed\": " + std::to_string(seed) +
+            ", \"try_next_polls\": " + std::to_string(consumer_polls) +
             ", \"kernel_qps_before\": " + std::to_string(qps_before) +
             ", \"kernel_qps_during\": " + std::to_string(qps_during) +
             ", \"kernel_qps_after\": " + std::to_string(qps_after) +
@@ -828,6 +852,8 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
     CHECK(corrupted == 0);
     CHECK(other_error == 0);
     CHECK(held_at_end.size() == 0);
+    CHECK(consumer_took == 0);
+    if (*second_mode == polling_mode::busy) CHECK(consumer_polls > 0);
     for (std::size_t i = 0; i < std::size(kinds); ++i) {
         CAPTURE(kinds[i].first);
         CHECK(kinds[i].second > 0);
