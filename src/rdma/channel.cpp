@@ -438,13 +438,14 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
         err = error != 0 ? error : channel->error;
         return 0;
     }
-    polled_by_consumer = true;
     std::size_t kept = 0;
+    bool emptied = false; // the last poll found the CQ empty (it gave less than asked)
     for (;;) {
         const int want = static_cast<int>(std::min<std::size_t>(capacity - kept, INT_MAX));
         const int got = channel->poll_once(*this, want, out + kept);
         if (got <= 0) {
             if (got < 0 && kept == 0) err = EIO;
+            emptied = got == 0;
             break;
         }
         const std::size_t end = kept + static_cast<std::size_t>(got);
@@ -454,8 +455,13 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
             if (i != kept) out[kept] = out[i];
             ++kept;
         }
-        if (kept == capacity || got < want) break;
+        emptied = got < want;
+        if (kept == capacity || emptied) break;
     }
+    // Only a CQ left empty is the consumer's for the next pass: one it left completions in
+    // (taking fewer than it holds) is drained by the pass as usual, so a per-request await
+    // behind them is not held back while the consumer takes one a turn.
+    polled_by_consumer = emptied;
     channel->run_deferred_watches_if_any();
     return kept;
 }
@@ -492,13 +498,13 @@ bool cq::try_next_polled(ibv_wc& wc) {
     detail::channel_state& ch = *s.channel;
     if (s.error != 0 || ch.error != 0 || !s.waiters.empty()) [[unlikely]]
         return try_next_polled(std::span<ibv_wc>(&wc, 1)) != 0; // says why, or takes nothing
-    s.polled_by_consumer = true;
     int got;
     while ((got = ch.poll_once(s, 1, &wc)) > 0) {
         if (s.to_op(wc)) continue;
         if (!s.srq_qps.empty()) s.note_srq_receive(wc);
         break;
     }
+    s.polled_by_consumer = got == 0; // left empty (see poll_now)
     ch.run_deferred_watches_if_any();
     if (got < 0) [[unlikely]]
         detail::try_next_failed(EIO);
@@ -686,10 +692,11 @@ std::size_t channel_state::poll_all() noexcept {
     static_cast<service_poller*>(p)->owner->busy_pass();
 }
 
-// A CQ that its consumer polled itself (cq::try_next) since the last pass is left to it this
-// turn: a coroutine spinning on try_next and yield() then takes every completion with its
-// own poll, once, instead of racing the pass for it (tools/bench-cost: busy ours_poll). Once
-// it stops polling, the next pass polls the CQ again.
+// A CQ that its consumer polled empty itself (cq::try_next) since the last pass is left to it
+// this turn: a coroutine spinning on try_next and yield() then takes every completion with
+// its own poll, once, instead of racing the pass for it (tools/bench-cost: busy ours_poll).
+// Once it stops polling (or leaves completions in the CQ, or a next() waits), the next pass
+// polls the CQ again: at most one turn later than without the skip.
 void channel_state::busy_pass() noexcept {
     for (cq_state* c : cqs) {
         if (c->polled_by_consumer) {

@@ -166,6 +166,32 @@ TEST_CASE("co_await yield() lets the coroutines ready before it run first, then 
     CHECK(io.waiters() == 0);
 }
 
+TEST_CASE("a coroutine spinning on yield() ends with operation_canceled when its io_context "
+          "is destroyed, instead of keeping the destructor turning") {
+    int spins = 0;
+    std::string what;
+    {
+        io_context io;
+        auto spinner = [&]() -> task<void> {
+            try {
+                for (;;) {
+                    ++spins;
+                    co_await io.yield();
+                }
+            } catch (const std::system_error& e) {
+                what = e.what();
+                CHECK(e.code() == std::errc::operation_canceled);
+            }
+        };
+        io.spawn(spinner());
+        for (int i = 0; i < 5; ++i)
+            io.run_once(false);
+        CHECK(spins == 5);
+    }                  // ~io_context: returns (it used to resume the spinner for ever)
+    CHECK(spins == 5); // resumed once more by the destructor: its pending yield threw
+    CHECK(what.find("io_context::yield") != std::string::npos);
+}
+
 TEST_CASE("stop() from another thread ends run()") {
     io_context ctx;
     io_context::work_guard guard(ctx);

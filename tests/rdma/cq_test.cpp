@@ -430,6 +430,52 @@ bool try_next_within(cq& c, ibv_wc& wc) {
     }
     return false;
 }
+
+// Replaces ibv_poll_cq, for as long as it lives: a poll gives nothing until the real CQ has
+// given `want` completions, then all of them at once (in the device's order), so that one
+// poll of the runtime's sees them together. Calls the real verb; hides nothing for good.
+class gather_then_give {
+  public:
+    explicit gather_then_give(std::size_t want) noexcept {
+        want_ = want;
+        held_.clear();
+        ringverbs::verbs::detail::hooks().poll_cq = &poll;
+    }
+    ~gather_then_give() {
+        ringverbs::verbs::detail::hooks().poll_cq = ringverbs::verbs::detail::real_verbs().poll_cq;
+    }
+    gather_then_give(const gather_then_give&) = delete;
+    gather_then_give& operator=(const gather_then_give&) = delete;
+
+  private:
+    static int poll(ibv_cq* cq, int n, ibv_wc* out) noexcept {
+        ibv_wc got[8];
+        const int r = ringverbs::verbs::detail::real_verbs().poll_cq(cq, 8, got);
+        if (r < 0) return r;
+        held_.insert(held_.end(), got, got + r);
+        if (held_.size() < want_) return 0;
+        const int k = std::min<int>(n, static_cast<int>(held_.size()));
+        std::copy_n(held_.begin(), k, out);
+        held_.erase(held_.begin(), held_.begin() + k);
+        return k;
+    }
+    static inline std::size_t want_ = 0;
+    static inline std::vector<ibv_wc> held_;
+};
+
+// Makes every ibv_poll_cq fail (-EINVAL), for as long as it lives.
+struct failing_polls {
+    failing_polls() noexcept {
+        ringverbs::verbs::detail::hooks().poll_cq = [](ibv_cq*, int, ibv_wc*) noexcept {
+            return -EINVAL;
+        };
+    }
+    ~failing_polls() {
+        ringverbs::verbs::detail::hooks().poll_cq = ringverbs::verbs::detail::real_verbs().poll_cq;
+    }
+    failing_polls(const failing_polls&) = delete;
+    failing_polls& operator=(const failing_polls&) = delete;
+};
 } // namespace
 
 TEST_CASE("try_next() polls the CQ without the loop, in order; a per-request completion found on "
@@ -460,9 +506,9 @@ TEST_CASE("try_next() polls the CQ without the loop, in order; a per-request com
     }
     CHECK_FALSE(lp.cq_b.try_next(wc));
     CHECK_FALSE(awaited); // decided during a poll, resumed by a turn of the loop only
-    io.run();
-    CHECK(awaited);
-    // The five sends' completions, from a's CQ, by the batch form.
+    // The five sends' completions, from a's CQ, by the batch form, before the loop turns again
+    // (it could buffer them): what comes is polled by try_next_batch itself.
+    const std::uint64_t polls_before = lp.cq_a.counters().polls;
     std::vector<std::uint64_t> sent;
     ibv_wc batch[3];
     for (int i = 0; i < 10000 && sent.size() < 5; ++i) {
@@ -473,8 +519,48 @@ TEST_CASE("try_next() polls the CQ without the loop, in order; a per-request com
         if (n == 0) std::this_thread::sleep_for(1ms);
     }
     CHECK(sent == std::vector<std::uint64_t>{200, 201, 202, 203, 204});
+    CHECK(lp.cq_a.counters().polls > polls_before);
     CHECK(lp.cq_a.buffered() == 0);
+    io.run();
+    CHECK(awaited);
     CHECK(io.waiters() == 0);
+}
+
+TEST_CASE("try_next_batch() given a per-request completion first in one poll hands it to its "
+          "awaiter and returns the rest in order") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io);
+    region buf(dev.pd, 4096);
+    for (std::uint64_t i = 0; i < 3; ++i)
+        raw_recv(lp.b, buf.local(i * 64, 64), 10 + i);
+    bool sent = false;
+    auto sender = [&]() -> task<void> {
+        CHECK((co_await lp.a.send(buf.local(1024, 64))).status == IBV_WC_SUCCESS);
+        sent = true;
+    };
+    io.spawn(sender());
+    io.run_once(false); // its send is posted (a's first, its completion tagged)
+    raw_send(lp.a, buf.local(1088, 64), 300);
+    raw_send(lp.a, buf.local(1152, 64), 301);
+    std::size_t n = 0;
+    ibv_wc batch[4];
+    {
+        // One poll gives the three completions of a's CQ together, the tagged one first.
+        gather_then_give together(3);
+        for (int i = 0; i < 10000 && n == 0; ++i) {
+            n = lp.cq_a.try_next_batch(batch);
+            if (n == 0) std::this_thread::sleep_for(1ms);
+        }
+    }
+    REQUIRE(n == 2);
+    CHECK(batch[0].wr_id == 300);
+    CHECK(batch[1].wr_id == 301);
+    CHECK(lp.cq_a.buffered() == 0);
+    CHECK_FALSE(sent); // decided in that poll, resumed by the loop
+    io.run();
+    CHECK(sent);
+    CHECK(lp.a.pending() == 0);
 }
 
 TEST_CASE("try_next() takes nothing while a next() waits on the cq: what comes is the waiter's") {
@@ -489,11 +575,14 @@ TEST_CASE("try_next() takes nothing while a next() waits on the cq: what comes i
     raw_recv(lp.b, buf.local(0, 64), 7);
     raw_send(lp.a, buf.local(1024, 64), 8);
     ibv_wc wc{};
-    REQUIRE(try_next_within(lp.cq_a, wc)); // the send is done: the receive came before it
+    REQUIRE(try_next_within(lp.cq_a, wc));
     CHECK(wc.wr_id == 8);
+    // With a next() queued, try_next does not even poll (whatever the CQ holds by now).
+    const std::uint64_t polls = lp.cq_b.counters().polls;
     CHECK_FALSE(lp.cq_b.try_next(wc));
     ibv_wc batch[4];
     CHECK(lp.cq_b.try_next_batch(batch) == 0);
+    CHECK(lp.cq_b.counters().polls == polls);
     io.run();
     CHECK(waited_for == 7);
 }
@@ -515,25 +604,33 @@ TEST_CASE("try_next() with a failed ibv_poll_cq throws EIO naming it; what was b
     };
     io.run(settle());
     REQUIRE(lp.cq_b.buffered() == 2);
-    auto& poll = ringverbs::verbs::detail::hooks().poll_cq;
-    const auto real = poll;
-    poll = [](ibv_cq*, int, ibv_wc*) noexcept { return -EINVAL; };
     ibv_wc wc{};
-    CHECK(lp.cq_b.try_next(wc));
-    CHECK(wc.wr_id == 10);
-    CHECK(lp.cq_b.try_next(wc));
-    CHECK(wc.wr_id == 11);
-    std::string what;
-    int code = 0;
-    try {
-        (void)lp.cq_b.try_next(wc);
-    } catch (const std::system_error& e) {
-        what = e.what();
-        code = e.code().value();
+    std::string what, batch_what;
+    int code = 0, batch_code = 0;
+    {
+        failing_polls failing;
+        CHECK(lp.cq_b.try_next(wc));
+        CHECK(wc.wr_id == 10);
+        ibv_wc batch[4];
+        CHECK(lp.cq_b.try_next_batch(batch) == 1);
+        CHECK(batch[0].wr_id == 11);
+        try {
+            (void)lp.cq_b.try_next(wc);
+        } catch (const std::system_error& e) {
+            what = e.what();
+            code = e.code().value();
+        }
+        try {
+            (void)lp.cq_b.try_next_batch(batch);
+        } catch (const std::system_error& e) {
+            batch_what = e.what();
+            batch_code = e.code().value();
+        }
     }
-    poll = real;
     CHECK(code == EIO);
     CHECK(what.find("cq::try_next: ibv_poll_cq failed") != std::string::npos);
+    CHECK(batch_code == EIO);
+    CHECK(batch_what.find("cq::try_next: ibv_poll_cq failed") != std::string::npos);
     CHECK_FALSE(lp.cq_b.try_next(wc)); // the hook is real again: nothing there, no error
 }
 

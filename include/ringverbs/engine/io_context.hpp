@@ -11,6 +11,7 @@
 #include <liburing.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <coroutine>
 #include <cstddef>
@@ -144,7 +145,8 @@ class io_context {
     // co_await ctx.yield(): on this context's thread, lets the rest of the turn and the next
     // turn's start (the ring, the pollers: a busy channel's polls) run, then continues. For a
     // coroutine that polls on its own (cq::try_next). Allocates nothing once the context's
-    // ready list has grown (std::bad_alloc from the co_await if it cannot).
+    // ready list has grown (std::bad_alloc from the co_await if it cannot). While the context
+    // is being destroyed it throws operation_canceled instead of suspending.
     class yield_awaitable;
     yield_awaitable yield() noexcept;
 
@@ -525,11 +527,17 @@ inline io_context::schedule_awaitable io_context::schedule() noexcept {
 
 // The awaitable io_context::yield() returns: suspends, queues the coroutine on the context's
 // ready list (a later turn resumes it: resume_ready takes only what was ready when it began).
+// Once the context is being destroyed it does not suspend and throws std::system_error
+// "io_context::yield" (operation_canceled), as every other await does then: a coroutine that
+// spins on yield() would otherwise keep the destructor's last turns going for ever.
 class [[nodiscard]] io_context::yield_awaitable {
   public:
-    bool await_ready() const noexcept { return false; }
+    bool await_ready() const noexcept { return ctx_->shutting_down(); }
     void await_suspend(std::coroutine_handle<> caller) const { ctx_->ready(caller); }
-    void await_resume() const noexcept {}
+    void await_resume() const {
+        if (ctx_->shutting_down()) [[unlikely]]
+            throw_system_error(ECANCELED, "io_context::yield (the io_context is being destroyed)");
+    }
 
   private:
     friend class io_context;

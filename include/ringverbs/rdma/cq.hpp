@@ -33,9 +33,10 @@ struct cq_options {
 
 // Owns an ibv_cq attached to a channel (armed at once unless the channel is in busy mode).
 //
-// Two ways to consume its completions, which may be mixed:
+// Three ways to consume its completions, which may be mixed:
 // - co_await cq.next(): the next completion whose wr_id is not one of ringverbs' per-request
 //   awaits (see qp), FIFO among waiters;
+// - cq.try_next(wc): the same completions without a wait (polling the CQ in place);
 // - the per-request awaits of qp: their completions go straight to the coroutine that posted.
 //
 // Lifetime: the state lives while a qp uses it; destroying the handle resumes pending next()
@@ -76,7 +77,10 @@ class cq {
     //
     //   while (!c.try_next(wc)) co_await ctx.yield();
     //
-    // and to take the rest of a burst after a co_await next() without suspending again. Once
+    // and to take the rest of a burst after a co_await next() without suspending again. A busy
+    // channel's pass leaves a CQ that try_next polled empty to it for one turn (its completions
+    // come through the consumer's poll; a next() queued after is served by the next pass). In
+    // hybrid mode what try_next takes does not keep the channel's spin window open. Once
     // nothing is buffered it throws what next() would end with, as std::system_error
     // "cq::try_next" (EOVERFLOW, ENODEV, a failed channel's errno), or EIO when ibv_poll_cq
     // failed. On the thread of the cq's io_context only. After false, `wc` (and the part of
@@ -131,6 +135,7 @@ class cq {
                    (state_->channel && state_->channel->error != 0);
         }
         void await_suspend(std::coroutine_handle<> h) {
+            state_->polled_by_consumer = false; // a busy pass polls for this waiter at once
             wait_in(state_->waiters, *state_->channel->ctx, options_, h);
         }
 

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
 
@@ -369,6 +370,7 @@ inline void qp::request::start_send(ibv_wr_opcode opcode, std::uint32_t length, 
     // Zeroed in two halves: GCC 12 zeroes 128 bytes at once with `rep stos` (16 counted
     // instructions and a slow start), 64 at a time with 4 vector stores each.
     static_assert(sizeof(ibv_send_wr) == 128);
+    ::new (static_cast<void*>(&send_wr_)) ibv_send_wr; // the union's member in use from here
     std::memset(static_cast<void*>(&send_wr_), 0, 64);
     std::memset(reinterpret_cast<unsigned char*>(&send_wr_) + 64, 0, 64);
     send_wr_.opcode = opcode;

@@ -269,7 +269,8 @@ struct cq_state {
     bool arm_solicited = false;
     bool armed = false;
     bool in_fired = false; // listed in channel->fired (an event this turn)
-    // cq::try_next polled it since the last busy pass, which skips it once (busy_pass).
+    // cq::try_next polled it empty since the last busy pass, which skips it once (busy_pass);
+    // cleared when a next() waiter is queued.
     bool polled_by_consumer = false;
     bool closed = false; // the user's cq handle is gone: next() consumers are no more
     int error = 0;       // EOVERFLOW after IBV_EVENT_CQ_ERR (device_events): dead
