@@ -224,7 +224,7 @@ config parse(int argc, char** argv) {
     bench::parse_command_line(argc, argv, c, usage, set_test, parse_option);
     if (c.solicited < 0) c.solicited = c.test == test_kind::lat && c.mode == polling_mode::events;
     if (c.send == send_style::raw && c.recv == recv_style::await) usage();
-    if (c.recv == recv_style::poll && c.test != test_kind::lat) usage();
+    if (c.recv == recv_style::poll && (c.test != test_kind::lat || c.raw)) usage();
     if (c.raw && (c.test != test_kind::lat || c.mode == polling_mode::hybrid)) usage();
     if (!c.samples.empty() && c.test != test_kind::lat) usage();
     if (c.iters < 2 || c.warmup < 0 || c.size == 0 || c.size > 4096) usage();

@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <set>
 #include <stop_token>
@@ -431,14 +432,16 @@ bool try_next_within(cq& c, ibv_wc& wc) {
     return false;
 }
 
-// Replaces ibv_poll_cq, for as long as it lives: a poll gives nothing until the real CQ has
-// given `want` completions, then all of them at once (in the device's order), so that one
-// poll of the runtime's sees them together. Calls the real verb; hides nothing for good.
+// Replaces ibv_poll_cq, for as long as it lives: a poll of a CQ gives nothing until that CQ
+// has given `want` completions, then (in the device's order) as many as asked, and from then
+// on whatever it holds, so that one poll of the runtime's sees them together. Per CQ; calls
+// the real verb; hides nothing for good.
 class gather_then_give {
   public:
     explicit gather_then_give(std::size_t want) noexcept {
         want_ = want;
         held_.clear();
+        released_.clear();
         ringverbs::verbs::detail::hooks().poll_cq = &poll;
     }
     ~gather_then_give() {
@@ -452,15 +455,20 @@ class gather_then_give {
         ibv_wc got[8];
         const int r = ringverbs::verbs::detail::real_verbs().poll_cq(cq, 8, got);
         if (r < 0) return r;
-        held_.insert(held_.end(), got, got + r);
-        if (held_.size() < want_) return 0;
-        const int k = std::min<int>(n, static_cast<int>(held_.size()));
-        std::copy_n(held_.begin(), k, out);
-        held_.erase(held_.begin(), held_.begin() + k);
+        std::vector<ibv_wc>& held = held_[cq];
+        held.insert(held.end(), got, got + r);
+        if (released_.count(cq) == 0) {
+            if (held.size() < want_) return 0;
+            released_.insert(cq); // gathered: give freely from now on
+        }
+        const int k = std::min<int>(n, static_cast<int>(held.size()));
+        std::copy_n(held.begin(), k, out);
+        held.erase(held.begin(), held.begin() + k);
         return k;
     }
     static inline std::size_t want_ = 0;
-    static inline std::vector<ibv_wc> held_;
+    static inline std::map<ibv_cq*, std::vector<ibv_wc>> held_;
+    static inline std::set<ibv_cq*> released_;
 };
 
 // Makes every ibv_poll_cq fail (-EINVAL), for as long as it lives.
@@ -675,4 +683,56 @@ TEST_CASE("a busy channel's coroutines ping-pong with try_next() and yield(), aw
     CHECK(lp.cq_b.buffered() == 0);
     CHECK(lp.a.pending() == 0);
     CHECK(lp.b.pending() == 0);
+}
+
+TEST_CASE("a busy pass drains a CQ that try_next left completions in, and skips one it left "
+          "empty only until a next() is queued there") {
+    device dev;
+    io_context io;
+    loopback lp(dev, io, channel_options{.mode = polling_mode::busy});
+    region buf(dev.pd, 4096);
+    for (std::uint64_t i = 0; i < 3; ++i)
+        raw_recv(lp.b, buf.local(i * 64, 64), 10 + i);
+    for (std::uint64_t i = 0; i < 3; ++i)
+        raw_send(lp.a, buf.local(1024 + i * 64, 64), 20 + i);
+    {
+        // try_next takes one of three: the CQ is not empty, so the next pass drains the rest.
+        gather_then_give together(3);
+        ibv_wc wc{};
+        REQUIRE(try_next_within(lp.cq_b, wc));
+        CHECK(wc.wr_id == 10);
+        CHECK(lp.cq_b.buffered() == 0);
+        io.run_once(false);
+        CHECK(lp.cq_b.buffered() == 2);
+    }
+    ibv_wc rest[2];
+    REQUIRE(lp.cq_b.try_next_batch(rest) == 2);
+    CHECK(rest[0].wr_id == 11);
+    CHECK(rest[1].wr_id == 12);
+    // Polled empty: the next pass leaves cq_b alone...
+    ibv_wc none{};
+    CHECK_FALSE(lp.cq_b.try_next(none));
+    std::uint64_t polls = lp.cq_b.counters().polls;
+    io.run_once(false);
+    CHECK(lp.cq_b.counters().polls == polls);
+    // ...but a next() queued after an empty try_next is served by the pass at once.
+    std::uint64_t waited_for = 0;
+    auto waiter = [&]() -> task<void> {
+        ibv_wc wc{};
+        CHECK_FALSE(lp.cq_b.try_next(wc));
+        waited_for = (co_await lp.cq_b.next()).wr_id;
+    };
+    io.spawn(waiter());
+    io.run_once(false); // the pass, then the waiter: an empty try_next, then queued
+    polls = lp.cq_b.counters().polls;
+    io.run_once(false);
+    CHECK(lp.cq_b.counters().polls == polls + 1);
+    raw_recv(lp.b, buf.local(512, 64), 30);
+    raw_send(lp.a, buf.local(2048, 64), 31);
+    auto settle = [&]() -> task<void> {
+        for (int i = 0; i < 2000 && waited_for == 0; ++i) // 10 s at most
+            co_await sleep_for(io, 5ms);
+    };
+    io.run(settle());
+    CHECK(waited_for == 30);
 }

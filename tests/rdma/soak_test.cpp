@@ -12,9 +12,9 @@
 //                                 syscall (channel_options::read)
 //   RINGVERBS_SOAK_SECOND=<mode>  the second channel's polling mode: hybrid (default) or busy;
 //                                 busy also runs a coroutine that polls the busy channel's CQs
-//                                 itself (cq::try_next_batch, yield between), so that the busy
-//                                 pass leaves them to it and every completion of theirs is
-//                                 dispatched by the consumer's poll
+//                                 itself (cq::try_next_batch, yield between): the busy pass
+//                                 leaves a CQ it polled empty to it, so most of their
+//                                 completions are dispatched by the consumer's poll
 #include "chaos_hooks.hpp"
 #include "fault_injection.hpp"
 #include "rdma_fixture.hpp"
@@ -727,8 +727,9 @@ TEST_CASE("soak: a million requests under timeouts, stops, QP errors, teardowns 
             }
         };
         // Busy: the second channel's CQs polled by a coroutine of the user's (try_next), as a
-        // busy-polling consumer does. Every completion there belongs to a per-request await,
-        // so it takes none itself (consumer_took stays 0) and only dispatches them.
+        // busy-polling consumer does (the pass polls them too, whenever the consumer's last
+        // poll left completions behind). Every completion there belongs to a per-request
+        // await, so it takes none itself (consumer_took stays 0) and only dispatches them.
         auto consumer = [&]() -> task<void> {
             ibv_wc wcs[8];
             while (!finished) {
