@@ -469,12 +469,7 @@ std::size_t channel_state::drain_cq(cq_state& c) noexcept {
 namespace {
 [[noreturn, gnu::cold, gnu::noinline]] void try_next_failed(int err) {
     if (err == EIO) throw_system_error(err, "cq::try_next: ibv_poll_cq failed");
-    if (err == EOVERFLOW)
-        throw_system_error(err, "cq::try_next: IBV_EVENT_CQ_ERR (the CQ overran)");
-    if (err == ENODEV)
-        throw_system_error(err, "cq::try_next: the RDMA device is gone (removed, or failed for "
-                                "good)");
-    throw_system_error(err, "cq::try_next");
+    throw_cq_failure("cq::try_next", err);
 }
 } // namespace
 

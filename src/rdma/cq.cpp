@@ -9,10 +9,20 @@
 #include <algorithm>
 #include <bit>
 #include <cstdio>
+#include <string>
 
 namespace ringverbs {
 
 namespace detail {
+
+void throw_cq_failure(const char* op, int err) {
+    if (err == EOVERFLOW)
+        throw_system_error(err, std::string(op) + ": IBV_EVENT_CQ_ERR (the CQ overran)");
+    if (err == ENODEV)
+        throw_system_error(err, std::string(op) +
+                                    ": the RDMA device is gone (removed, or failed for good)");
+    throw_system_error(err, op);
+}
 
 using verbs::detail::hooks;
 

@@ -17,6 +17,18 @@
 using namespace rt;
 using namespace std::chrono_literals;
 
+namespace {
+// Turns the loop until `done()` holds: 10 s at most, in naps of 5 ms.
+template <typename Done>
+void run_until_true(io_context& io, Done done) {
+    auto wait = [&]() -> task<void> {
+        for (int i = 0; i < 2000 && !done(); ++i)
+            co_await sleep_for(io, 5ms);
+    };
+    io.run(wait());
+}
+} // namespace
+
 TEST_CASE("next() gives completions to several waiters in FIFO order") {
     device dev;
     io_context io;
@@ -44,11 +56,7 @@ TEST_CASE("next() gives completions to several waiters in FIFO order") {
     // The sends completed on a's CQ, where nobody waited: they are buffered for next(). A send's
     // completion may come after the peer's receive (6.12's rxe completes sends from a work
     // queue): wait for them, bounded.
-    auto settle = [&]() -> task<void> {
-        for (int i = 0; i < 2000 && lp.cq_a.buffered() < 4; ++i) // 10 s at most
-            co_await sleep_for(io, 5ms);
-    };
-    io.run(settle());
+    run_until_true(io, [&] { return lp.cq_a.buffered() >= 4; });
     CHECK(lp.cq_a.buffered() == 4);
     auto drain = [&]() -> task<std::size_t> {
         ibv_wc wcs[8];
@@ -337,11 +345,7 @@ TEST_CASE("next() and next_batch() with a stop already requested end with operat
         raw_recv(lp.b, buf.local(i * 64, 64), 40 + i);
     for (std::uint64_t i = 0; i < 3; ++i)
         raw_send(lp.a, buf.local(1024 + i * 64, 64), 60 + i);
-    auto settle = [&]() -> task<void> {
-        for (int i = 0; i < 2000 && lp.cq_b.buffered() < 3; ++i) // 10 s at most
-            co_await sleep_for(io, 5ms);
-    };
-    io.run(settle());
+    run_until_true(io, [&] { return lp.cq_b.buffered() >= 3; });
     REQUIRE(lp.cq_b.buffered() == 3);
     std::stop_source stopped;
     stopped.request_stop();
@@ -606,11 +610,7 @@ TEST_CASE("try_next() with a failed ibv_poll_cq throws EIO naming it; what was b
         raw_send(lp.a, buf.local(1024 + i * 64, 64), 20 + i);
     }
     // Both completions, buffered by the loop's service (nobody waits for them).
-    auto settle = [&]() -> task<void> {
-        for (int i = 0; i < 2000 && lp.cq_b.buffered() < 2; ++i) // 10 s at most
-            co_await sleep_for(io, 5ms);
-    };
-    io.run(settle());
+    run_until_true(io, [&] { return lp.cq_b.buffered() >= 2; });
     REQUIRE(lp.cq_b.buffered() == 2);
     ibv_wc wc{};
     std::string what, batch_what;
@@ -729,10 +729,6 @@ TEST_CASE("a busy pass drains a CQ that try_next left completions in, and skips 
     CHECK(lp.cq_b.counters().polls == polls + 1);
     raw_recv(lp.b, buf.local(512, 64), 30);
     raw_send(lp.a, buf.local(2048, 64), 31);
-    auto settle = [&]() -> task<void> {
-        for (int i = 0; i < 2000 && waited_for == 0; ++i) // 10 s at most
-            co_await sleep_for(io, 5ms);
-    };
-    io.run(settle());
+    run_until_true(io, [&] { return waited_for != 0; });
     CHECK(waited_for == 30);
 }

@@ -17,6 +17,13 @@
 
 namespace ringverbs {
 
+namespace detail {
+// Throws what a cq's consumer `op` ("cq::next", "cq::try_next") ends with once the cq failed:
+// std::system_error with `err`, saying what EOVERFLOW (the CQ overran) and ENODEV (the device
+// is gone) mean. Out of line: only failures reach it.
+[[noreturn]] void throw_cq_failure(const char* op, int err);
+} // namespace detail
+
 struct cq_options {
     int entries = 1024;
     // -1: spread the channel's CQs over the device's completion vectors (round robin);
@@ -166,14 +173,7 @@ class cq {
             }
             return taken;
         }
-        [[noreturn]] static void fail_with(int err) {
-            if (err == EOVERFLOW)
-                throw_system_error(err, "cq::next: IBV_EVENT_CQ_ERR (the CQ overran)");
-            if (err == ENODEV)
-                throw_system_error(err, "cq::next: the RDMA device is gone (removed, or failed "
-                                        "for good)");
-            throw_system_error(err, "cq::next");
-        }
+        [[noreturn]] static void fail_with(int err) { detail::throw_cq_failure("cq::next", err); }
 
       private:
         detail::cq_state* state_;
